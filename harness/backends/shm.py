@@ -1,0 +1,122 @@
+"""``shm``: the reference weight-transfer backend, with a shared-memory data plane.
+
+It runs wherever vLLM runs (CPU or GPU), so the HTTP control plane, the
+engine-core RPCs and the model's ``load_weights`` / layerwise reload are
+exercised on every commit, not only on GPU machines. Only the data plane differs
+from NCCL and IPC: the trainer writes each bucket of tensors as a safetensors
+file under a directory on tmpfs (``/dev/shm`` where it exists) and
+``/update_weights`` carries the file's path plus the names, dtypes and shapes
+it holds. The worker checks that metadata against the file before loading, so
+a disagreement fails loudly instead of loading garbage.
+
+The worker-side engine is registered with vLLM's ``WeightTransferEngineFactory``
+by ``register()``, which vLLM calls in every one of its processes through the
+``vllm.general_plugins`` entry point declared in pyproject.toml. Keep this
+module's top level free of vLLM imports: the trainer and the test process
+import it too.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+BACKEND_NAME = "shm"
+ENGINE_CLASS = "ShmWeightTransferEngine"
+
+
+def register() -> None:
+    """vLLM general plugin: make ``--weight-transfer-config '{"backend": "shm"}'`` work."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without weight transfer: nothing to register
+        return
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "harness.backends.shm_engine",
+                                                    ENGINE_CLASS)
+
+
+def default_root() -> Path:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="harness-shm-", dir=base))
+
+
+# --------------------------------------------------------------------------- trainer side
+
+@dataclass
+class ShmSendStats:
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+def _buckets(weights: Iterable[tuple[str, Any]], bucket_bytes: int | None
+             ) -> Iterator[list[tuple[str, Any]]]:
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, t in weights:
+        nbytes = t.numel() * t.element_size()
+        if bucket and bucket_bytes is not None and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
+                 bucket_bytes: int | None = None, init: bool = True) -> ShmSendStats:
+    """Push ``weights`` through the HTTP control plane with files under ``root``.
+
+    ``client`` has the four methods of vLLM's ``VLLMWeightSyncClient`` protocol.
+    ``bucket_bytes=None`` sends one file ("packed" into a single bucket); a number
+    splits the stream into files of at most that many bytes. Files are removed
+    once the server has acknowledged them.
+    """
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    if init:
+        client.init_weight_transfer_engine({"root": str(root)})
+    stats = ShmSendStats()
+    client.start_weight_update()
+    for i, bucket in enumerate(_buckets(weights, bucket_bytes)):
+        path = root / f"bucket-{os.getpid()}-{i:05d}.safetensors"
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+        save_file(tensors, str(path))
+        try:
+            client.update_weights({
+                "path": str(path),
+                "names": [n for n, _ in bucket],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+            })
+        finally:
+            path.unlink(missing_ok=True)
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        stats.names += [n for n, _ in bucket]
+    client.finish_weight_update()
+    return stats
+
+
+def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict) -> dict:
+    """Common trainer entry point (see harness.backends). ``packed`` sends one bucket;
+    otherwise buckets of ``options['bucket_bytes']`` (default 16 MiB)."""
+    import shutil
+
+    root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
+    try:
+        stats = send_weights(client, weights, root=root,
+                             bucket_bytes=None if packed else options.get("bucket_bytes", 16 << 20))
+    finally:
+        if not options.get("shm_root"):
+            shutil.rmtree(root, ignore_errors=True)
+    return {"tensors": stats.tensors, "bytes": stats.bytes, "chunks": stats.buckets,
+            "api_path": "harness shm sender over HTTP routes"}

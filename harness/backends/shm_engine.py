@@ -1,0 +1,118 @@
+"""Worker side of the ``shm`` backend: runs inside vLLM's worker processes.
+
+Imported lazily by vLLM's engine factory (see ``shm.register``), never by the
+harness itself. It follows vLLM's own checkpoint-format engines (IPC): layerwise
+reload is initialised in ``start_weight_update`` and finalised in
+``finish_weight_update``, and each chunk goes through ``model.load_weights``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class ShmWeightTransferInitInfo(WeightTransferInitInfo):
+    root: str = ""
+    """Directory the trainer writes buckets into; the engine reads nothing outside it."""
+
+
+@dataclass
+class ShmWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    path: str
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"shm update: names/dtype_names/shapes lengths differ "
+                f"({n}/{len(self.dtype_names)}/{len(self.shapes)})")
+
+
+def _mtp_guard():
+    try:  # vLLM >= 0.27 checks multi-token-prediction completeness on load
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+        return disable_mtp_completeness_check()
+    except ImportError:
+        return contextlib.nullcontext()
+
+
+class ShmWeightTransferEngine(
+    WeightTransferEngine[ShmWeightTransferInitInfo, ShmWeightTransferUpdateInfo]
+):
+    init_info_cls = ShmWeightTransferInitInfo
+    update_info_cls = ShmWeightTransferUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.root: Path | None = None
+
+    def init_transfer_engine(self, init_info: ShmWeightTransferInitInfo) -> None:
+        if not init_info.root:
+            raise ValueError("shm init_info needs 'root', the directory buckets are written to")
+        self.root = Path(init_info.root).resolve()
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        # vLLM's base class calls torch.accelerator.synchronize() here, which
+        # raises on a CPU-only host; synchronise only where there is a device.
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: ShmWeightTransferUpdateInfo) -> None:
+        from safetensors import safe_open
+
+        if self.root is None:
+            raise RuntimeError("shm: /update_weights before /init_weight_transfer_engine")
+        path = Path(update_info.path).resolve()
+        if self.root not in path.parents:
+            raise ValueError(f"shm: {path} is outside the initialised root {self.root}")
+        weights = []
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
+                                               update_info.shapes):
+                if name not in present:
+                    raise ValueError(f"shm: {name!r} announced but not in {path.name}")
+                t = f.get_tensor(name)
+                if str(t.dtype).removeprefix("torch.") != dtype_name or list(t.shape) != list(shape):
+                    raise ValueError(
+                        f"shm: {name!r} announced as {dtype_name}{list(shape)} but the file "
+                        f"holds {str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+                weights.append((name, t.to(self.device)))
+        with _mtp_guard():
+            self.model.load_weights(weights)
+
+    def shutdown(self) -> None:
+        self.root = None
+
+    # vLLM 0.26 declares this abstract on the worker engine; the harness's
+    # trainer never calls it (harness.backends.shm.send_weights is the sender).
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        raise NotImplementedError("use harness.backends.shm.send_weights")

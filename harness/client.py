@@ -1,0 +1,152 @@
+"""HTTP client for one vLLM server: the weight-sync control plane and generation.
+
+Every call has a timeout, and every failure raises ``ControlPlaneError`` naming
+the route, the request, the status, the body and (when known) the vLLM version
+and the server's log tail. It implements vLLM's ``VLLMWeightSyncClient``
+protocol (four methods), so vLLM's own trainer engines can drive it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import requests
+
+
+class ControlPlaneError(RuntimeError):
+    def __init__(self, route: str, request: Any, detail: str, status: int | None = None,
+                 context: str = ""):
+        self.route, self.status, self.detail = route, status, detail
+        req = json.dumps(request, default=str)
+        if len(req) > 600:
+            req = req[:600] + f"... ({len(req)} chars)"
+        msg = f"{route} failed" + (f" with HTTP {status}" if status else "") + f": {detail}\n" \
+              f"request: {req}"
+        super().__init__(msg + ("\n" + context if context else ""))
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+
+
+class ServerClient:
+    """Talks to ``url``. ``context`` returns text appended to errors (the log tail)."""
+
+    def __init__(self, url: str, *, timeout: float = 300.0, model: str | None = None,
+                 context: Callable[[], str] | None = None):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._model = model
+        self._context = context or (lambda: "")
+        self.session = requests.Session()
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: str, route: str, *, json_body: Any = None, params: dict | None = None,
+              timeout: float | None = None, ok: tuple[int, ...] = (200,)) -> Any:
+        try:
+            r = self.session.request(method, self.url + route, json=json_body, params=params,
+                                     timeout=timeout or self.timeout)
+        except requests.Timeout:
+            raise ControlPlaneError(route, json_body if json_body is not None else params,
+                                    f"no answer within {timeout or self.timeout:.0f}s",
+                                    context=self._context()) from None
+        except requests.RequestException as e:
+            raise ControlPlaneError(route, json_body if json_body is not None else params,
+                                    f"{type(e).__name__}: {e}", context=self._context()) from None
+        if r.status_code not in ok:
+            raise ControlPlaneError(route, json_body if json_body is not None else params,
+                                    r.text[:2000], r.status_code, context=self._context())
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def raw(self, method: str, route: str, **kw) -> requests.Response:
+        """Unchecked request, for tests of how the server answers misuse."""
+        kw.setdefault("timeout", self.timeout)
+        return self.session.request(method, self.url + route, **kw)
+
+    # ------------------------------------------------------------------ server facts
+    def health(self) -> bool:
+        try:
+            return self.session.get(self.url + "/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def version(self) -> str | None:
+        return self._call("GET", "/version").get("version")
+
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self._call("GET", "/v1/models")["data"][0]["id"]
+        return self._model
+
+    def routes(self) -> list[str]:
+        return sorted(self._call("GET", "/openapi.json").get("paths", {}))
+
+    # ------------------------------------------------------------------ pause / resume
+    def pause(self, mode: str | None = None, timeout: float | None = None, **params: Any) -> Any:
+        q = dict(params)
+        if mode is not None:
+            q["mode"] = mode
+        return self._call("POST", "/pause", params=q, timeout=timeout)
+
+    def resume(self, timeout: float | None = None) -> Any:
+        return self._call("POST", "/resume", timeout=timeout)
+
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused")["is_paused"])
+
+    # ------------------------------------------------------------------ VLLMWeightSyncClient
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("POST", "/init_weight_transfer_engine", json_body={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "/start_weight_update", json_body={})
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("POST", "/update_weights", json_body={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        self._call("POST", "/finish_weight_update", json_body=body)
+
+    # ------------------------------------------------------------------ generation
+    def complete(self, prompt: str | list[int], *, max_tokens: int = 16, timeout: float | None = None,
+                 logprobs: int | None = None, **extra: Any) -> Completion:
+        """Greedy completion; returns the generated token ids (not re-tokenized text)."""
+        body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True, **extra}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        out = self._call("POST", "/v1/completions", json_body=body, timeout=timeout)
+        ch = out["choices"][0]
+        lp = ch.get("logprobs") or {}
+        return Completion(token_ids=list(ch.get("token_ids") or []), text=ch["text"],
+                          finish_reason=ch.get("finish_reason"),
+                          logprobs=lp.get("token_logprobs"))
+
+    def prompt_logprobs(self, token_ids: list[int], top_k: int = 5,
+                        timeout: float | None = None) -> list[dict[int, float]]:
+        """Teacher-forced scoring: for each position i >= 1, {token_id: logprob} holding
+        the actual token ``token_ids[i]`` and the top-k alternatives (position 0 is None)."""
+        body = {"model": self.model(), "prompt": token_ids, "max_tokens": 1,
+                "temperature": 0.0, "prompt_logprobs": top_k}
+        out = self._call("POST", "/v1/completions", json_body=body, timeout=timeout)
+        plp = out["choices"][0].get("prompt_logprobs")
+        if plp is None:
+            raise ControlPlaneError("/v1/completions", body, "no prompt_logprobs in the answer",
+                                    context=self._context())
+        return [None if d is None else {int(k): float(v["logprob"]) for k, v in d.items()}
+                for d in plp]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._call("POST", "/tokenize",
+                          json_body={"model": self.model(), "prompt": text,
+                                     "add_special_tokens": False})["tokens"]

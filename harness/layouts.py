@@ -1,0 +1,84 @@
+"""GPU layouts as data: where the server runs, where the trainer runs.
+
+Counting GPUs never initialises CUDA in the calling process (nvidia-smi, or
+torch in a throwaway child), so importing the harness is safe before a fork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import subprocess
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    server_gpus: tuple[int, ...]    # () = CPU server
+    tensor_parallel_size: int
+    trainer_gpu: int | None         # None = CPU trainer
+    engines: tuple[str, ...]        # weight-transfer engines this layout supports
+    gpu_memory_utilization: float | None = None
+    description: str = ""
+
+    @property
+    def gpus_needed(self) -> int:
+        used = set(self.server_gpus) | ({self.trainer_gpu} if self.trainer_gpu is not None else set())
+        return (max(used) + 1) if used else 0
+
+    @property
+    def trainer_device(self) -> str:
+        return "cpu" if self.trainer_gpu is None else f"cuda:{self.trainer_gpu}"
+
+
+LAYOUTS: dict[str, Layout] = {l.name: l for l in [
+    Layout("cpu", (), 1, None, ("shm",), None, "server and trainer on the CPU"),
+    # The server leaves most of the GPU to the colocated trainer.
+    Layout("1gpu-colocated", (0,), 1, 0, ("ipc", "shm"), 0.3,
+           "server and trainer share GPU 0 (IPC)"),
+    Layout("2gpu-split", (0,), 1, 1, ("nccl", "shm"), 0.5,
+           "server on GPU 0, trainer on GPU 1 (NCCL)"),
+    Layout("2gpu-ipc-gpu1", (1,), 1, 1, ("ipc",), 0.3,
+           "server and trainer share GPU 1: IPC handles must be matched by GPU identity, "
+           "not index"),
+    Layout("3gpu-tp2", (0, 1), 2, 2, ("nccl", "shm"), 0.5,
+           "server tensor-parallel over GPUs 0-1, trainer on GPU 2 (NCCL)"),
+]}
+GPU_LAYOUTS = [n for n, l in LAYOUTS.items() if l.server_gpus]
+
+
+def layout(name: str) -> Layout:
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_count() -> int:
+    """GPUs visible to this process, without creating a CUDA context here."""
+    override = os.environ.get("HARNESS_GPUS")
+    if override is not None:
+        return int(override)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+            if visible is not None:
+                n = min(n, len([v for v in visible.split(",") if v.strip()]))
+            return n
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        out = subprocess.run([sys.executable, "-c",
+                              "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0

