@@ -213,20 +213,24 @@ def _build_smollm2(spec: ZooModel, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
-    # The weights are now plain float32: nothing of GGUF must reach vLLM's loader.
-    for attr in ("quantization_config", "_name_or_path"):
-        if hasattr(model.config, attr):
-            try:
-                delattr(model.config, attr)
-            except AttributeError:
-                setattr(model.config, attr, None)
-    model.config.dtype = "float32"
-    model.save_pretrained(out, safe_serialization=True)
+    # The weights are now plain float32 tensors, but transformers still marks the
+    # model as GGUF-quantized and refuses save_pretrained; write config and
+    # safetensors ourselves so nothing of GGUF reaches vLLM's loader.
+    from safetensors.torch import save_file
+
+    cfg = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue  # tied to the input embedding; vLLM and transformers re-tie it
+        state[name] = t.detach().to(torch.float32).contiguous().clone()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key(),
                "source": gguf.name}, open(out / "harness-model.json", "w"), indent=1)
 

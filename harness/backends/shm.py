@@ -70,7 +70,8 @@ def _buckets(weights: Iterable[tuple[str, Any]], bucket_bytes: int | None
 
 
 def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
-                 bucket_bytes: int | None = None, init: bool = True) -> ShmSendStats:
+                 bucket_bytes: int | None = None, init: bool = True,
+                 reprocess_tied: bool = False) -> ShmSendStats:
     """Push ``weights`` through the HTTP control plane with files under ``root``.
 
     ``client`` has the four methods of vLLM's ``VLLMWeightSyncClient`` protocol.
@@ -82,7 +83,10 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
 
     root.mkdir(parents=True, exist_ok=True)
     if init:
-        client.init_weight_transfer_engine({"root": str(root)})
+        info: dict[str, Any] = {"root": str(root)}
+        if reprocess_tied:  # workaround, opt-in and named: see shm_engine.py
+            info["reprocess_tied"] = True
+        client.init_weight_transfer_engine(info)
     stats = ShmSendStats()
     client.start_weight_update()
     for i, bucket in enumerate(_buckets(weights, bucket_bytes)):
@@ -114,7 +118,8 @@ def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict)
     root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
     try:
         stats = send_weights(client, weights, root=root,
-                             bucket_bytes=None if packed else options.get("bucket_bytes", 16 << 20))
+                             bucket_bytes=None if packed else options.get("bucket_bytes", 16 << 20),
+                             reprocess_tied=bool(options.get("reprocess_tied")))
     finally:
         if not options.get("shm_root"):
             shutil.rmtree(root, ignore_errors=True)

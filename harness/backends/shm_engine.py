@@ -25,6 +25,10 @@ from vllm.distributed.weight_transfer.base import (
 class ShmWeightTransferInitInfo(WeightTransferInitInfo):
     root: str = ""
     """Directory the trainer writes buckets into; the engine reads nothing outside it."""
+    reprocess_tied: bool = False
+    """Opt-in workaround for known issue cpu-tied-lm-head-stale (docs/known-issues.md):
+    after the reload, re-run weight post-processing on modules that share their weight
+    (a tied lm_head). Off by default so that tests see vLLM's own behaviour."""
 
 
 @dataclass
@@ -52,6 +56,28 @@ def _mtp_guard():
         return contextlib.nullcontext()
 
 
+def _reprocess_tied_modules(model) -> list[str]:
+    """Re-run ``process_weights_after_loading`` on every module whose weight Parameter
+    is shared with another module. On CPU, vLLM prepacks GEMM weights at load time;
+    a tied lm_head receives no tensor of its own during a layerwise reload, so its
+    prepacked copy keeps the weights from before the update."""
+    owners: dict[int, list] = {}
+    for name, mod in model.named_modules():
+        w = getattr(mod, "_parameters", {}).get("weight")
+        if w is not None:
+            owners.setdefault(id(w), []).append((name, mod))
+    done = []
+    for mods in owners.values():
+        if len(mods) < 2:
+            continue
+        for name, mod in mods:
+            qm = getattr(mod, "quant_method", None)
+            if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(mod)
+                done.append(name)
+    return done
+
+
 class ShmWeightTransferEngine(
     WeightTransferEngine[ShmWeightTransferInitInfo, ShmWeightTransferUpdateInfo]
 ):
@@ -61,11 +87,13 @@ class ShmWeightTransferEngine(
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.root: Path | None = None
+        self.reprocess_tied = False
 
     def init_transfer_engine(self, init_info: ShmWeightTransferInitInfo) -> None:
         if not init_info.root:
             raise ValueError("shm init_info needs 'root', the directory buckets are written to")
         self.root = Path(init_info.root).resolve()
+        self.reprocess_tied = init_info.reprocess_tied
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -76,6 +104,8 @@ class ShmWeightTransferEngine(
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        if self.reprocess_tied:
+            _reprocess_tied_modules(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))

