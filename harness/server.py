@@ -42,6 +42,7 @@ class ServerConfig:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
     max_model_len: int = 512
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = ()
@@ -93,6 +94,8 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
         argv += ["--attention-backend", cfg.attention_backend]
     if cfg.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes)]
     if cfg.enforce_eager:
         argv += ["--enforce-eager"]
     argv += list(cfg.extra_args)
