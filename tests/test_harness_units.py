@@ -1,0 +1,151 @@
+"""The harness's own logic: comparisons, case naming, server command lines and the
+server lifecycle on failure. No vLLM server needed, except where one must crash."""
+
+import json
+import time
+
+import psutil
+import pytest
+
+from harness import layouts, parity
+from harness.backends import VARIANTS
+from harness.plugin import Case, server_config_for
+from harness.reference import PromptReference, Reference
+from harness.server import ServerConfig, ServerError, VLLMServer, build_command
+from harness.trainer import corrupt_weights
+
+
+def _ref(dtype="float32"):
+    # one prompt of 2 tokens + 3 generated; position i has logprob -(i / 10)
+    seq = [5, 6, 7, 8, 9]
+    top = [None] + [{t: -(i / 10), 99: -5.0} for i, t in enumerate(seq[1:], start=1)]
+    lps = [None] + [-(i / 10) for i in range(1, 5)]
+    return Reference("m", dtype, [PromptReference("p", seq[:2], seq[2:], lps, top, "x")])
+
+
+def _obs(ref, delta_at=None, delta=0.0, greedy=None):
+    pr = ref.prompts[0]
+    rows = [None if t is None else dict(t) for t in pr.top_logprobs]
+    if delta_at is not None:
+        tok = pr.sequence[delta_at]
+        rows[delta_at][tok] += delta
+    return [parity.Observation(greedy if greedy is not None else list(pr.greedy_ids), rows)]
+
+
+def test_parity_passes_identical_and_names_worst_position_when_not():
+    ref = _ref()
+    ok = parity.compare(_obs(ref), ref)
+    parity.assert_logprobs_close(ok)
+    parity.assert_greedy_equal(ok)
+    bad = parity.compare(_obs(ref, delta_at=3, delta=2e-4), ref)
+    with pytest.raises(AssertionError) as e:
+        parity.assert_logprobs_close(bad)
+    msg = str(e.value)
+    assert "position 3" in msg and "vllm logprob" in msg and "hf logprob" in msg
+    assert bad.worst.position == 3 and bad.worst.generated_index == 1
+
+
+def test_greedy_divergence_is_a_failure_unless_reference_is_a_near_tie():
+    ref = _ref()
+    diverged = parity.compare(_obs(ref, greedy=[7, 42, 9]), ref)
+    with pytest.raises(AssertionError, match="greedy diverges at generated token 1"):
+        parity.assert_greedy_equal(diverged)
+    # make the reference's top-2 at that position a near-tie: reported, not failed
+    ref.prompts[0].top_logprobs[3] = {8: -0.3, 42: -0.30001}
+    tie = parity.compare(_obs(ref, greedy=[7, 42, 9]), ref)
+    parity.assert_greedy_equal(tie)
+    assert tie.greedy_ties and not tie.greedy_divergence
+
+
+def test_gibberish_check_rejects_a_server_that_already_matches():
+    ref = _ref()
+    with pytest.raises(AssertionError, match="already matches"):
+        parity.assert_gibberish(parity.compare(_obs(ref), ref))
+
+
+def test_nonfinite_and_missing_logprobs_fail():
+    ref = _ref()
+    obs = _obs(ref)
+    obs[0].prompt_logprobs[2][7] = float("nan")
+    del obs[0].prompt_logprobs[4][9]
+    with pytest.raises(AssertionError, match="non-finite.*|.*had no vllm logprob"):
+        parity.assert_logprobs_close(parity.compare(obs, ref))
+
+
+def test_every_dtype_has_a_tolerance_with_a_reason():
+    for dtype, tol in parity.TOLERANCES.items():
+        assert tol.max_abs_logprob > 0 and len(tol.reason) > 20, dtype
+    assert parity.TOLERANCES["float32"].max_abs_logprob <= 1e-4
+
+
+def test_case_ids_name_backend_layout_dtype_model():
+    c = Case(VARIANTS["ipc-packed"], layouts.LAYOUTS["1gpu-colocated"], "float32", "llama")
+    assert c.id == "ipc-packed-1gpu-colocated-fp32-llama"
+    assert Case(VARIANTS["shm"], layouts.LAYOUTS["cpu"], "bfloat16", "opt").id == "shm-cpu-bf16-opt"
+
+
+def test_layouts_count_the_gpus_they_need():
+    assert layouts.LAYOUTS["cpu"].gpus_needed == 0
+    assert layouts.LAYOUTS["1gpu-colocated"].gpus_needed == 1
+    assert layouts.LAYOUTS["2gpu-ipc-gpu1"].gpus_needed == 2
+    assert layouts.LAYOUTS["3gpu-tp2"].gpus_needed == 3
+    assert layouts.LAYOUTS["3gpu-tp2"].tensor_parallel_size == 2
+
+
+def test_server_command_carries_weight_transfer_flags():
+    case = Case(VARIANTS["nccl-packed"], layouts.LAYOUTS["3gpu-tp2"], "float32", "llama")
+    cfg = server_config_for(case, "/m")
+    argv = build_command(cfg, 8123)
+    joined = " ".join(argv)
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert "--load-format dummy" in joined and "--tensor-parallel-size 2" in joined
+    assert "--attention-backend FLEX_ATTENTION" in joined  # float32 on GPU
+    assert "--host 127.0.0.1 --port 8123" in joined
+    assert cfg.device_ids == (0, 1)
+
+
+def test_corruptions_change_what_is_sent():
+    import torch
+
+    w = [("a.weight", torch.ones(2, 2)), ("b.weight", torch.zeros(2, 2)), ("n", torch.ones(3))]
+    dropped, what = corrupt_weights(w, "drop")
+    assert len(dropped) == 2 and "dropped" in what
+    scaled, _ = corrupt_weights(w, "scale", "a.weight")
+    assert torch.allclose(dict(scaled)["a.weight"], torch.full((2, 2), 1.01))
+    swapped, _ = corrupt_weights(w, "swap")
+    assert torch.equal(dict(swapped)["a.weight"], torch.zeros(2, 2))
+    assert corrupt_weights(w, "nothing")[0] == []
+    with pytest.raises(ValueError, match="unknown corruption"):
+        corrupt_weights(w, "bogus")
+
+
+def test_a_taken_port_is_refused(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ServerError, match="already in use"):
+            VLLMServer(ServerConfig(model="x"), log_dir=tmp_path, port=port).start()
+
+
+def test_crashing_server_fails_fast_with_its_log_and_leaves_nothing(tmp_path):
+    """A real vLLM process that dies at start-up: the error must come well before the
+    start timeout, carry the log tail, and no process of it may survive."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    srv = VLLMServer(ServerConfig(model=str(bad)), log_dir=tmp_path / "logs", start_timeout=300)
+    before = {p.pid for p in psutil.process_iter()}
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        srv.start()
+    elapsed = time.monotonic() - t0
+    assert "exited with code" in str(e.value) and "last 60 log lines" in str(e.value)
+    assert "no-such-architecture" in str(e.value)
+    assert elapsed < 200, f"took {elapsed:.0f}s to notice a dead server"
+    time.sleep(1)
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if p.pid not in before and "vllm" in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, leftovers
