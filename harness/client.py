@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import requests
 
@@ -33,6 +33,16 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+
+
+@dataclass
+class StreamChunk:
+    """One event of a streamed completion (``ServerClient.stream``)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    at: float  # time.monotonic() when it arrived
 
 
 class ServerClient:
@@ -90,6 +100,14 @@ class ServerClient:
     def routes(self) -> list[str]:
         return sorted(self._call("GET", "/openapi.json").get("paths", {}))
 
+    def openapi(self) -> dict:
+        return self._call("GET", "/openapi.json")
+
+    def clone(self) -> "ServerClient":
+        """A client for the same server with its own HTTP session (one per thread)."""
+        return ServerClient(self.url, timeout=self.timeout, model=self._model,
+                            context=self._context)
+
     # ------------------------------------------------------------------ pause / resume
     def pause(self, mode: str | None = None, timeout: float | None = None, **params: Any) -> Any:
         q = dict(params)
@@ -131,6 +149,64 @@ class ServerClient:
         return Completion(token_ids=list(ch.get("token_ids") or []), text=ch["text"],
                           finish_reason=ch.get("finish_reason"),
                           logprobs=lp.get("token_logprobs"))
+
+    def stream(self, prompt: str | list[int], *, max_tokens: int = 16,
+               timeout: float | None = None, deadline: float | None = None,
+               require_finish: bool = True, **extra: Any) -> Iterator[StreamChunk]:
+        """Greedy streaming completion: yields one ``StreamChunk`` per server event
+        (token ids and text, ``finish_reason`` on the last). ``timeout`` bounds the
+        connection and every gap between events; ``deadline`` (time.monotonic())
+        bounds the whole stream. An error event, a stream cut off before ``[DONE]``
+        or a blown bound raises ``ControlPlaneError``; so does a ``[DONE]`` without
+        any finish_reason, unless ``require_finish`` is false (then the generator
+        just ends: vLLM ends a stream aborted before its first token that way)."""
+        import time
+
+        body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
+                "stream": True, **extra}
+        t = timeout or self.timeout
+        route = "/v1/completions (stream)"
+        try:
+            r = self.session.post(self.url + "/v1/completions", json=body, stream=True,
+                                  timeout=(min(t, 30.0), t))
+        except requests.RequestException as e:
+            raise ControlPlaneError(route, body, f"{type(e).__name__}: {e}",
+                                    context=self._context()) from None
+        with r:
+            if r.status_code != 200:
+                raise ControlPlaneError(route, body, r.text[:2000], r.status_code,
+                                        context=self._context())
+            finished = done = False
+            try:
+                # chunk_size=None: hand over each HTTP chunk as it arrives (a fixed size
+                # would sit on a last partial event, e.g. while the server is paused)
+                for line in r.iter_lines(chunk_size=None, decode_unicode=True):
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise ControlPlaneError(route, body, "stream still running at its "
+                                                "deadline", context=self._context())
+                    if not line or not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    ev = json.loads(data)
+                    if "error" in ev and not ev.get("choices"):
+                        raise ControlPlaneError(route, body, f"error event: {ev['error']}",
+                                                context=self._context())
+                    for ch in ev.get("choices") or []:
+                        fr = ch.get("finish_reason")
+                        finished = finished or fr is not None
+                        yield StreamChunk(list(ch.get("token_ids") or []), ch.get("text") or "",
+                                          fr, time.monotonic())
+            except requests.RequestException as e:
+                raise ControlPlaneError(route, body, f"stream broke: {type(e).__name__}: {e}",
+                                        context=self._context()) from None
+            if not finished and (require_finish or not done):
+                raise ControlPlaneError(route, body, "stream ended without a finish_reason "
+                                        + ("([DONE] received)" if done else
+                                           "(cut off: no [DONE])"), context=self._context())
 
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 5,
                         timeout: float | None = None) -> list[dict[int, float]]:

@@ -1,0 +1,180 @@
+"""Self-tests of harness/pause_checks.py: every check passes against a well-behaved
+stand-in server and fails against one that breaks exactly the behaviour it checks.
+
+The stand-in (harness/standin.py) is a pure-Python HTTP server on 127.0.0.1; no
+vLLM is involved, so these run in seconds and on any machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness import pause_checks as pc
+from harness.client import ServerClient
+from harness.standin import MISBEHAVIOURS, StandinServer
+
+pytestmark = pytest.mark.selftest
+
+PROMPT = [5, 6, 7, 8, 9]
+OTHER_PROMPTS = [PROMPT, [11, 12, 13], [42, 1, 99, 7]]
+STEP_S = 0.004      # per token: 300 tokens take ~1.2 s, long against settle_seconds
+# Timeouts are generous: on a loaded machine the stand-in itself slows down. Checks
+# that must detect a hang get their own short bounds (the *_hang entries below).
+INFLIGHT = dict(max_tokens=300, hold_seconds=1.5, settle_seconds=0.6, timeout=10.0, attempts=3)
+
+
+def _slow_update(standin: StandinServer, seed: int) -> None:
+    time.sleep(0.3)  # long enough for clients to send requests while paused
+    standin.update_weights(seed)
+
+
+# check name -> runner(client, api, standin); each returns what the check observed
+CHECKS = {
+    "inflight_abort": lambda c, api, s: pc.check_inflight_under_pause(c, api.style("abort"), PROMPT,
+                                                                      **INFLIGHT),
+    "inflight_wait": lambda c, api, s: pc.check_inflight_under_pause(c, api.style("wait"), PROMPT,
+                                                                     **INFLIGHT),
+    "inflight_keep": lambda c, api, s: pc.check_inflight_under_pause(c, api.style("keep"), PROMPT,
+                                                                     **INFLIGHT),
+    "waits_for_resume": lambda c, api, s: pc.check_request_waits_for_resume(
+        c, PROMPT, hold_seconds=1.0, max_tokens=16, timeout=8.0),
+    "waits_for_resume_keep": lambda c, api, s: pc.check_request_waits_for_resume(
+        c, PROMPT, style=api.style("keep"), hold_seconds=1.0, max_tokens=16, timeout=8.0),
+    "state_machine": lambda c, api, s: pc.check_pause_state_machine(c, api.styles(), PROMPT,
+                                                                    timeout=10.0),
+    "invalid_params": lambda c, api, s: pc.check_invalid_pause_params(c, api, timeout=10.0),
+    "weight_update_keep": lambda c, api, s: pc.check_weight_update_while_held(
+        c, api.style("keep"), PROMPT, lambda: _slow_update(s, 7), max_tokens=250,
+        queued_max_tokens=32, timeout=10.0, update_timeout=10.0),
+    "weight_update_wait": lambda c, api, s: pc.check_weight_update_while_held(
+        c, api.style("wait"), PROMPT, lambda: _slow_update(s, 8), max_tokens=250,
+        queued_max_tokens=32, timeout=10.0, update_timeout=10.0),
+    "concurrency": lambda c, api, s: pc.check_concurrent_pause_cycles(
+        c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
+        max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=8.0),
+    # as the real-server tests run it: a bare [DONE] after an early abort is counted, not failed
+    "concurrency_tolerant": lambda c, api, s: pc.check_concurrent_pause_cycles(
+        c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
+        max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=8.0,
+        tolerate_empty_abort=True),
+    # For misbehaviours that hang: nothing arrives whatever the bound, so a short one.
+    "waits_for_resume_hang": lambda c, api, s: pc.check_request_waits_for_resume(
+        c, PROMPT, hold_seconds=1.0, max_tokens=16, timeout=3.0),
+    "concurrency_hang": lambda c, api, s: pc.check_concurrent_pause_cycles(
+        c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
+        max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=3.0,
+        tolerate_empty_abort=True),
+    "abort_reports_finish": lambda c, api, s: pc.check_abort_reports_finish_reason(
+        c, api.style("abort"), PROMPT, first=api.style("keep"), hold_seconds=0.5, timeout=10.0),
+}
+
+# misbehaviour -> (check that must catch it, what its failure must say)
+BROKEN = [
+    ("pause_ignores_new", "waits_for_resume", "did not wait for /resume"),
+    ("pause_ignores_new", "waits_for_resume_keep", "did not wait for /resume"),
+    ("pause_ignores_new", "weight_update_keep", "did not wait"),
+    ("resume_never_releases", "waits_for_resume_hang", "resume did not release them"),
+    ("resume_never_releases", "concurrency_hang", "resume did not release generation"),
+    ("keep_aborts", "inflight_keep", r"aborted .*expected frozen"),
+    ("keep_ignored", "inflight_keep", r"kept generating while paused|drained .*expected frozen"),
+    ("keep_loses_history", "inflight_keep", "not the uninterrupted greedy text"),
+    ("wait_aborts", "inflight_wait", r"aborted .*expected drained"),
+    ("wait_returns_early", "inflight_wait", "kept generating while paused"),
+    ("abort_ignored", "inflight_abort", r"drained .*expected aborted"),
+    ("is_paused_lies", "state_machine", "/is_paused says False"),
+    ("is_paused_lies", "waits_for_resume", "/is_paused says False"),
+    ("double_pause_errors", "state_machine", r"again answered HTTP 409"),
+    ("resume_unpaused_errors", "state_machine", r"resume without a pause answered HTTP 500"),
+    ("invalid_mode_accepted", "invalid_params", "expected a 4xx"),
+    ("invalid_mode_unnamed", "invalid_params", "without naming the parameter 'mode'"),
+    ("drops_held_on_resume", "waits_for_resume", "failed or came back without a finish reason"),
+    ("drops_held_on_resume", "concurrency", "failed or came back without a finish reason"),
+    # the tolerance for vLLM's bare [DONE] does not hide a cut-off stream or a hang
+    ("drops_held_on_resume", "concurrency_tolerant", "failed or came back without a finish reason"),
+    ("abort_drops_stream_finish", "abort_reports_finish", r"no finish_reason \(a bare \[DONE\]\)"),
+    ("queued_use_old_weights", "weight_update_keep", "must run on the weights sent during the pause"),
+    ("queued_use_old_weights", "weight_update_wait", "must run on the weights sent during the pause"),
+]
+
+
+def _run(check: str, misbehave: set[str], **standin_kw):
+    with StandinServer(misbehave=misbehave, step_s=STEP_S, **standin_kw) as s:
+        c = ServerClient(s.url, timeout=10.0, context=s.describe)
+        return CHECKS[check](c, pc.discover_pause_api(c), s)
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_check_passes_on_a_correct_standin(check):
+    """Without this, a failure below could be the check's own fault."""
+    _run(check, set())
+
+
+@pytest.mark.parametrize("misbehaviour,check,message", BROKEN,
+                         ids=[f"{m}-{c}" for m, c, _ in BROKEN])
+def test_check_fails_on_a_broken_standin(misbehaviour, check, message):
+    with pytest.raises(pc.PauseCheckFailure, match=message):
+        _run(check, {misbehaviour})
+
+
+def test_every_misbehaviour_is_caught():
+    assert {m for m, _, _ in BROKEN} == set(MISBEHAVIOURS)
+
+
+def test_missing_finish_reason_is_told_apart():
+    """The real-server test turns exactly this failure into an xfail (a known vLLM
+    defect); any other failure of the check must stay a failure."""
+    with pytest.raises(pc.MissingFinishReason):
+        _run("abort_reports_finish", {"abort_drops_stream_finish"})
+    with pytest.raises(pc.PauseCheckFailure) as e:
+        _run("abort_reports_finish", {"pause_ignores_new"})
+    assert not isinstance(e.value, pc.MissingFinishReason)
+
+
+def test_undocumented_behaviour_is_recorded_not_judged():
+    """A mode the harness does not know: observed, classified, no verdict."""
+    with StandinServer(step_s=STEP_S, modes=("abort", "wait", "keep", "sometime")) as s:
+        c = ServerClient(s.url, timeout=10.0)
+        api = pc.discover_pause_api(c)
+        sometime = api.style("sometime")
+        assert sometime is not None and sometime.expect is None
+        obs = pc.check_inflight_under_pause(c, sometime, PROMPT, **{**INFLIGHT, "attempts": 1})
+        assert obs["expected"] is None and obs["stream"]["class"]
+
+
+def test_legacy_pause_flags_discovered():
+    """Older vLLM: no ``mode``; ``wait_for_inflight_requests=true`` asks for a drain."""
+    with StandinServer(step_s=STEP_S, modes=(), legacy_wait_flag=True) as s:
+        c = ServerClient(s.url, timeout=10.0)
+        api = pc.discover_pause_api(c)
+        assert [x.name for x in api.styles()] == ["default", "wait_for_inflight_requests"]
+        assert set(api.bool_params) == {"wait_for_inflight_requests", "clear_cache"}
+        obs = pc.check_inflight_under_pause(c, api.style("wait_for_inflight_requests"), PROMPT,
+                                            **INFLIGHT)
+        assert obs["stream"]["class"] == "drained"
+        pc.check_invalid_pause_params(c, api, timeout=10.0)
+
+
+class _Spec:
+    def __init__(self, spec):
+        self.spec = spec
+
+    def openapi(self):
+        return self.spec
+
+
+def test_discovery_reads_refs_and_anyof():
+    """FastAPI writes an enum inline, through $ref, or in anyOf (Optional[...])."""
+    spec = {"paths": {"/resume": {}, "/is_paused": {}, "/pause": {"post": {"parameters": [
+        {"name": "mode", "in": "query", "schema": {"anyOf": [
+            {"$ref": "#/components/schemas/PauseMode"}, {"type": "null"}], "default": "abort"}},
+        {"name": "clear_cache", "in": "query", "schema": {"anyOf": [{"type": "boolean"},
+                                                                    {"type": "null"}]}},
+    ]}}}, "components": {"schemas": {"PauseMode": {"enum": ["abort", "wait", "keep"],
+                                                   "type": "string"}}}}
+    api = pc.discover_pause_api(_Spec(spec))
+    assert api.modes == ["abort", "wait", "keep"] and api.default_mode == "abort"
+    assert api.bool_params == ["clear_cache"]
+    with pytest.raises(pc.PauseCheckFailure, match="not in the server's /openapi.json"):
+        pc.discover_pause_api(_Spec({"paths": {"/pause": {}}}))
