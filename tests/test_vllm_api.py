@@ -170,6 +170,8 @@ def test_weight_source_metadata_matches_iteration():
 def test_weight_source_passes_vllms_own_consistency_checks():
     weights = _weights()
     source = vllm_api.weight_source(weights)
+    if not hasattr(source, "iter_groups"):
+        pytest.skip("this vLLM's WeightSource has no iter_groups (added after 0.27.1)")
     batches = list(source.iter_groups())  # checks iteration order against metadata()
     assert sum(len(names) for names, _ in batches) == len(weights)
     try:

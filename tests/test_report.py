@@ -1,0 +1,289 @@
+"""The JSON report (--harness-report): what a whole run writes, with JUnit XML alongside."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+import threading
+import types
+import xml.etree.ElementTree as ET
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+import harness
+from harness import known_issues as ki
+from harness import report
+
+INNER_TESTS = """
+import pytest
+
+def test_ok(request):
+    request.node.user_properties.append(("case", {"backend": "shm", "engine": "shm",
+        "packed": False, "layout": "cpu", "dtype": "float32", "model": "llama"}))
+    request.node.user_properties.append(("metrics", {"max_abs_dlogprob": 2e-6,
+                                                     "tokens_compared": 60}))
+    request.node.user_properties.append(("metrics", {"sync_seconds": 0.5, "sync_bytes": 1024,
+                                                     "mean_abs_dlogprob": float("nan")}))
+
+def test_fails():
+    assert 1 == 2, "boom"
+
+@pytest.mark.skip(reason="needs 2 GPUs")
+def test_skipped():
+    pass
+
+@pytest.mark.xfail(reason="plain xfail")
+def test_xfailed():
+    assert False
+
+@pytest.mark.xfail(reason="might work")
+def test_xpassed():
+    pass
+
+def test_known():
+    raise RuntimeError("upstream bug")
+
+def test_known_fixed():
+    pass
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_error(broken):
+    pass
+"""
+
+INNER_ISSUES = """
+[[issue]]
+id = "inner-known"
+upstream = "example#1"
+affected = ">=0.1"
+tests = ["*::test_known", "*::test_known_fixed"]
+symptom = "upstream bug"
+"""
+
+
+@pytest.fixture
+def inner_run(pytester, monkeypatch):
+    issues = pytester.path / "issues.toml"
+    issues.write_text(INNER_ISSUES)
+    pytester.makepyfile(test_inner=INNER_TESTS)
+    monkeypatch.setenv(ki.ENV_PATH, str(issues))
+    monkeypatch.setenv(report.PROBE_ENV, "0")
+    monkeypatch.delenv("HARNESS_REPORT", raising=False)
+    monkeypatch.setattr(ki, "target_version", lambda config: ("0.32.0", "faked"))
+
+    def run(*args):
+        r = pytester.runpytest("-p", "no:cacheprovider", "--harness-report", "out/report.json",
+                               "--junitxml", "out/junit.xml", *args)
+        return r, json.loads((pytester.path / "out" / "report.json").read_text())
+    return run
+
+
+def test_report_document(inner_run, pytester):
+    r, rep = inner_run("--vllm-model", "llama", "--vllm-dtype", "fp32")
+    assert rep["schema"] == report.SCHEMA_VERSION
+    assert set(rep) == {"schema", "header", "capabilities", "summary", "tests", "known_issues",
+                        "servers"}
+
+    h = rep["header"]
+    assert h["vllm"] == report.vllm_distribution()
+    assert h["torch"] == importlib.metadata.version("torch")
+    assert h["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert h["selection"]["models"] == ["llama"] and h["selection"]["dtypes"] == ["fp32"]
+    assert h["seed"] == 0 and h["exitstatus"] == 1
+    i = h["args"].index("--vllm-model")
+    assert h["args"][i:i + 4] == ["--vllm-model", "llama", "--vllm-dtype", "fp32"]
+    assert h["executable"] == sys.executable
+    assert "-m pytest" in h["command"] and str(pytester.path) in h["command"]
+    assert h["wall_seconds"] > 0 and h["start_time"].endswith("+00:00")
+    assert set(h["gpus"]) == {"present", "used"}
+
+    tests = {t["nodeid"].split("::")[1]: t for t in rep["tests"]}
+    assert {n: t["outcome"] for n, t in tests.items()} == {
+        "test_ok": "passed", "test_fails": "failed", "test_skipped": "skipped",
+        "test_xfailed": "xfailed", "test_xpassed": "xpassed", "test_known": "xfailed",
+        "test_known_fixed": "failed", "test_error": "error"}
+    ok = tests["test_ok"]
+    # metrics merged across user_properties entries; NaN kept as a string (valid JSON)
+    assert ok["metrics"] == {"max_abs_dlogprob": 2e-6, "tokens_compared": 60,
+                             "sync_seconds": 0.5, "sync_bytes": 1024, "mean_abs_dlogprob": "nan"}
+    assert ok["case"]["backend"] == "shm" and ok["known_issue"] is None
+    assert ok["duration"] >= 0
+    assert tests["test_skipped"]["reason"] == "needs 2 GPUs"
+    assert tests["test_xfailed"]["reason"] == "plain xfail"
+    assert "boom" in tests["test_fails"]["message"]
+    assert "fixture broke" in tests["test_error"]["message"]
+    assert tests["test_known"]["known_issue"] == "inner-known"
+    assert tests["test_known"]["reason"].startswith("known issue inner-known (example#1)")
+    assert tests["test_known_fixed"]["xpass_strict"] is True
+    assert "fixed — remove this entry" in tests["test_known_fixed"]["message"]
+
+    s = rep["summary"]
+    assert (s["total"], s["passed"], s["failed"], s["error"], s["skipped"], s["xfailed"],
+            s["xpassed"]) == (8, 1, 2, 1, 1, 2, 1)
+    names = lambda ids: sorted(i.split("::")[1] for i in ids)  # noqa: E731
+    assert names(s["known"]) == ["test_known"]
+    assert names(s["fixed_known_issues"]) == ["test_known_fixed"]
+    assert names(s["new_failures"]) == ["test_error", "test_fails"]
+
+    entry = rep["known_issues"]["entries"][0]
+    assert entry["id"] == "inner-known" and entry["status"] == "fixed — remove this entry"
+    assert rep["known_issues"]["vllm_version"] == "0.32.0"
+
+    caps = rep["capabilities"]
+    assert caps["routes"] is None and "no vLLM server" in caps["routes_error"]
+    assert "/update_weights" in caps["routes_used"]
+    assert caps["trainer_api"] == {"error": f"probes disabled ({report.PROBE_ENV}=0)"}
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins")
+           if e.value.startswith("harness.backends.shm")]
+    assert caps["backends"]["shm"]["loadable"] is bool(eps)
+    assert rep["servers"] == []
+
+    out = r.stdout.str()
+    assert "reproduce: cd " in out and "--harness-report out/report.json" in out
+    assert "harness report written to" in out
+
+
+def test_junit_xml_still_written(inner_run, pytester):
+    inner_run()
+    root = ET.parse(pytester.path / "out" / "junit.xml").getroot()
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    assert set(cases) >= {"test_ok", "test_fails", "test_known", "test_error"}
+    assert cases["test_fails"].find("failure") is not None
+    props = {p.get("name"): p.get("value") for p in cases["test_known"].iter("property")}
+    assert props.get("known_issue") == "inner-known"
+    metrics = [p.get("value") for p in cases["test_ok"].iter("property")
+               if p.get("name") == "metrics"]
+    assert len(metrics) == 2 and "max_abs_dlogprob" in metrics[0]
+
+
+# ----------------------------------------------------------------------------- capabilities
+
+OPENAPI = {
+    "openapi": "3.1.0", "info": {"title": "FastAPI", "version": "0.1.0"},
+    "paths": {
+        "/health": {"get": {}},
+        "/update_weights": {"post": {}},
+        "/pause": {"post": {"parameters": [
+            {"name": "mode", "in": "query", "required": False,
+             "schema": {"$ref": "#/components/schemas/PauseMode"}},
+            {"name": "clear_cache", "in": "query", "schema": {"type": "boolean"}},
+        ]}},
+    },
+    "components": {"schemas": {"PauseMode": {"enum": ["abort", "wait", "keep"],
+                                             "type": "string", "default": "abort"}}},
+}
+
+
+def test_pause_capabilities_forms():
+    assert report.pause_capabilities(OPENAPI) == {
+        "route": True, "modes": ["abort", "wait", "keep"], "default": "abort",
+        "params": ["clear_cache", "mode"]}
+    inline = {"paths": {"/pause": {"post": {"parameters": [{"name": "mode", "schema": {
+        "anyOf": [{"enum": ["abort", "wait"]}, {"type": "null"}], "default": "abort"}}]}}}}
+    assert report.pause_capabilities(inline)["modes"] == ["abort", "wait"]
+    assert report.pause_capabilities({"paths": {}}) == {"route": False, "modes": [],
+                                                        "default": None, "params": []}
+
+
+class _OpenAPIHandler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        body = json.dumps(OPENAPI if self.path == "/openapi.json" else {}).encode()
+        self.send_response(200 if self.path in ("/openapi.json", "/health") else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def openapi_server():
+    srv = HTTPServer(("127.0.0.1", 0), _OpenAPIHandler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_routes_captured_from_the_pool(pytester, monkeypatch, openapi_server):
+    """Routes and pause modes come from the first server the pool started, captured
+    before the pool's teardown stops it."""
+    pytester.makeconftest(f"""
+import pytest
+from harness.plugin import _STATE
+
+class Cfg:
+    def describe(self):
+        return "fake config"
+
+class Srv:
+    url = {openapi_server!r}
+    cfg = Cfg()
+    version = "9.9.9"
+    attached = False
+    def alive(self):
+        return True
+
+class Pool:
+    servers = {{Cfg(): Srv()}}
+    started = [{{"config": "fake config", "start_seconds": 1.5, "version": "9.9.9",
+                 "log": "x.log"}}]
+
+@pytest.fixture(autouse=True)
+def fake_pool(request):
+    request.config.stash[_STATE].pool = Pool()
+""")
+    pytester.makepyfile(test_one="def test_one(): pass")
+    monkeypatch.setenv(report.PROBE_ENV, "0")
+    monkeypatch.setenv(ki.ENV_PATH, "none")
+    r = pytester.runpytest("-p", "no:cacheprovider", "--harness-report", "r.json")
+    r.assert_outcomes(passed=1)
+    rep = json.loads((pytester.path / "r.json").read_text())
+    caps = rep["capabilities"]
+    assert caps["routes"] == ["/health", "/pause", "/update_weights"]
+    assert caps["pause"]["modes"] == ["abort", "wait", "keep"]
+    assert caps["routes_source"]["url"] == openapi_server
+    assert rep["servers"] == [{"config": "fake config", "start_seconds": 1.5,
+                               "version": "9.9.9", "log": "x.log"}]
+
+
+def test_probes_use_vllm_api(monkeypatch):
+    fake = types.ModuleType("harness.vllm_api")
+    fake.probe = lambda isolated=False: {"isolated": isolated, "nccl_path": "factory"}
+    fake.backend_importable = lambda engine: (engine == "nccl", f"{engine} says hi")
+    monkeypatch.setitem(sys.modules, "harness.vllm_api", fake)
+    monkeypatch.setattr(harness, "vllm_api", fake, raising=False)
+    api, backends = report.backend_capabilities(True)
+    assert api == {"isolated": True, "nccl_path": "factory"}
+    assert backends["nccl"] == {"loadable": True, "reason": "nccl says hi"}
+    assert backends["ipc"] == {"loadable": False, "reason": "ipc says hi"}
+
+
+def test_probes_tolerate_missing_vllm_api(monkeypatch):
+    monkeypatch.setitem(sys.modules, "harness.vllm_api", None)
+    monkeypatch.delattr(harness, "vllm_api", raising=False)
+    api, backends = report.backend_capabilities(True)
+    assert api["error"].startswith("harness.vllm_api unavailable")
+    assert backends["nccl"]["loadable"] is None and "unavailable" in backends["nccl"]["reason"]
+
+
+def test_probe_failure_is_recorded(monkeypatch):
+    fake = types.ModuleType("harness.vllm_api")
+
+    def probe(isolated=False):
+        raise RuntimeError("vLLM probe child failed (exit 1)")
+
+    fake.probe = probe
+    fake.backend_importable = lambda engine: (_ for _ in ()).throw(OSError("no python"))
+    monkeypatch.setitem(sys.modules, "harness.vllm_api", fake)
+    monkeypatch.setattr(harness, "vllm_api", fake, raising=False)
+    api, backends = report.backend_capabilities(True)
+    assert api == {"error": "RuntimeError: vLLM probe child failed (exit 1)"}
+    assert backends["ipc"] == {"loadable": None, "reason": "OSError: no python"}
