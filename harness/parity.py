@@ -166,6 +166,21 @@ def _greedy_check(pi: int, pr: PromptReference, got: list[int], exp_ids: list[in
     return same, matched
 
 
+def _report(dtype: str, diffs: list[float], worst, nonfinite: int, missing: int,
+            overlaps: list[float], identical: list[bool], ties: list[str],
+            divergences: list[str], matched: int, total_gen: int, **extra) -> ParityReport:
+    """The summary statistics every comparison ends with."""
+    finite = [d for d in diffs if math.isfinite(d)]
+    return ParityReport(
+        dtype=dtype, tokens_compared=len(diffs),
+        max_abs=max(diffs) if diffs else math.nan,
+        mean_abs=sum(finite) / len(finite) if finite else math.nan,
+        worst=worst, nonfinite=nonfinite, missing=missing,
+        topk_overlap=sum(overlaps) / len(overlaps) if overlaps else math.nan,
+        greedy_identical=identical, greedy_ties=ties, greedy_divergence=divergences,
+        greedy_match_fraction=matched / total_gen if total_gen else math.nan, **extra)
+
+
 def compare(observations: Sequence[Observation], ref: Reference, *,
             tie_margin: float | None = None, decode=None) -> ParityReport:
     if len(observations) != len(ref.prompts):
@@ -241,17 +256,11 @@ def compare(observations: Sequence[Observation], ref: Reference, *,
         same, m = _greedy_check(pi, pr, got, exp_ids, tie_margin, decode, names, ties, divergences)
         identical.append(same)
         matched += m
-    finite = [d for d in diffs if math.isfinite(d)]
-    return ParityReport(
-        dtype=ref.dtype, tokens_compared=len(diffs),
-        max_abs=max(diffs) if diffs else math.nan,
-        mean_abs=sum(finite) / len(finite) if finite else math.nan,
-        worst=worst, nonfinite=nonfinite, missing=missing,
-        topk_overlap=sum(overlaps) / len(overlaps) if overlaps else math.nan,
-        greedy_identical=identical, greedy_ties=ties, greedy_divergence=divergences,
-        greedy_match_fraction=matched / total_gen if total_gen else math.nan,
-        topk_max_abs=max(topk_diffs) if topk_diffs else math.nan, topk_worst=topk_worst,
-        topk_misses=topk_misses, nonfinite_where=nonfinite_where, names=names)
+    return _report(ref.dtype, diffs, worst, nonfinite, missing, overlaps, identical, ties,
+                   divergences, matched, total_gen,
+                   topk_max_abs=max(topk_diffs) if topk_diffs else math.nan,
+                   topk_worst=topk_worst, topk_misses=topk_misses,
+                   nonfinite_where=nonfinite_where, names=names)
 
 
 def compare_servers(actual: Sequence[Observation], expected: Sequence[Observation],
@@ -313,17 +322,10 @@ def compare_servers(actual: Sequence[Observation], expected: Sequence[Observatio
                                 divergences)
         identical.append(same)
         matched += m
-    finite = [d for d in diffs if math.isfinite(d)]
-    return ParityReport(
-        dtype=ref.dtype, tokens_compared=len(diffs),
-        max_abs=max(diffs) if diffs else math.nan,
-        mean_abs=sum(finite) / len(finite) if finite else math.nan,
-        worst=worst, nonfinite=nonfinite, missing=missing,
-        topk_overlap=sum(overlaps) / len(overlaps) if overlaps else math.nan,
-        greedy_identical=identical, greedy_ties=ties, greedy_divergence=divergences,
-        greedy_match_fraction=matched / total_gen if total_gen else math.nan,
-        topk_max_abs=max(diffs) if diffs else math.nan, topk_worst=worst,
-        nonfinite_where=nonfinite_where, names=names)
+    return _report(ref.dtype, diffs, worst, nonfinite, missing, overlaps, identical, ties,
+                   divergences, matched, total_gen,
+                   topk_max_abs=max(diffs) if diffs else math.nan, topk_worst=worst,
+                   nonfinite_where=nonfinite_where, names=names)
 
 
 def compare_generation(completions: Sequence[tuple[list[int], list[float] | None]],
@@ -370,15 +372,9 @@ def compare_generation(completions: Sequence[tuple[list[int], list[float] | None
                                 ties, divergences)
         identical.append(same)
         matched += m
-    finite = [d for d in diffs if math.isfinite(d)]
-    return ParityReport(
-        dtype=ref.dtype, tokens_compared=len(diffs),
-        max_abs=max(diffs) if diffs else math.nan,
-        mean_abs=sum(finite) / len(finite) if finite else math.nan,
-        worst=worst, nonfinite=nonfinite, missing=missing, topk_overlap=math.nan,
-        greedy_identical=identical, greedy_ties=ties, greedy_divergence=divergences,
-        greedy_match_fraction=matched / total_gen if total_gen else math.nan,
-        nonfinite_where=nonfinite_where, names=names)
+    return _report(ref.dtype, diffs, worst, nonfinite, missing, [], identical, ties,
+                   divergences, matched, total_gen, nonfinite_where=nonfinite_where,
+                   names=names)
 
 
 def describe_worst(w: Worst | None, decode=None, names: tuple[str, str] = ("vllm", "hf")) -> str:
