@@ -47,3 +47,21 @@ def variant(name: str) -> BackendVariant:
 def sender_module(engine: str):
     """The trainer-side module for ``engine`` (imported in the trainer process only)."""
     return importlib.import_module(f"harness.backends.{engine}")
+
+
+def cuda_device_of(weights: list, options: dict, error: type[Exception], why: str):
+    """The CUDA device a GPU sender works on (``options['device']``, else the first
+    tensor's), refusing a CPU trainer or tensors spread over several devices."""
+    import torch
+
+    name = options.get("device") or (str(weights[0][1].device) if weights else None)
+    device = torch.device(name) if name else torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        raise error(f"{why}; the trainer is on {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elsewhere = [n for n, t in weights if t.device != device]
+    if elsewhere:
+        raise error(f"{len(elsewhere)} tensor(s) are not on {device}, e.g. "
+                    f"{elsewhere[0]} on {dict(weights)[elsewhere[0]].device}")
+    return device

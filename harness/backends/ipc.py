@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness import vllm_api
+from harness.backends import cuda_device_of
 
 
 class IpcSendError(RuntimeError):
@@ -45,7 +46,7 @@ def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict)
     if path == "unimportable":
         raise IpcSendError("vLLM's IPC engine module cannot be imported: "
                            f"{caps['errors'].get(vllm_api.ENGINE_MODULES['ipc'])}")
-    device = _device(weights, options)
+    device = cuda_device_of(weights, options, IpcSendError, "CUDA IPC shares CUDA memory")
     # vLLM reads the current device to name the GPU (its UUID) in every handle.
     torch.cuda.set_device(device)
     rc = vllm_api.RecordingClient(client)
@@ -109,19 +110,3 @@ def _via_raw(rc, weights, packed, geometry, device, caps) -> str:
     del shared
     torch.cuda.ipc_collect()
     return "raw: torch reduce_tensor handles per tensor, HTTP routes driven by the harness"
-
-
-def _device(weights: list, options: dict) -> Any:
-    import torch
-
-    name = options.get("device") or (str(weights[0][1].device) if weights else None)
-    device = torch.device(name) if name else torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda":
-        raise IpcSendError(f"CUDA IPC shares CUDA memory; the trainer is on {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    elsewhere = [n for n, t in weights if t.device != device]
-    if elsewhere:
-        raise IpcSendError(f"{len(elsewhere)} tensor(s) are not on {device}, e.g. "
-                           f"{elsewhere[0]} on {dict(weights)[elsewhere[0]].device}")
-    return device

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable
 
 from harness import vllm_api
+from harness.backends import cuda_device_of
 
 GRACE_S = 5.0  # how long a step may take to fail on its own once its HTTP peer failed
 
@@ -111,7 +112,8 @@ def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict)
     if path == "unimportable":
         raise NcclSendError("vLLM's NCCL engine module cannot be imported: "
                             f"{caps['errors'].get(vllm_api.ENGINE_MODULES['nccl'])}")
-    device = _device(weights, options)  # before any route: CPU tensors are refused up front
+    # before any route: CPU tensors are refused up front
+    device = cuda_device_of(weights, options, NcclSendError, "NCCL sends from a CUDA device")
     rc = vllm_api.RecordingClient(client)
     address = options.get("master_address") or "127.0.0.1"
     plan = _Plan(
@@ -284,22 +286,6 @@ def _chunks(plan: _Plan, broadcasts: list[int] | None) -> int | None:
     if plan.packed:
         return broadcasts[0] if broadcasts is not None else None
     return plan.client.update_calls
-
-
-def _device(weights: list, options: dict) -> Any:
-    import torch
-
-    name = options.get("device") or (str(weights[0][1].device) if weights else None)
-    device = torch.device(name) if name else torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda":
-        raise NcclSendError(f"NCCL sends from a CUDA device; the trainer is on {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    elsewhere = [n for n, t in weights if t.device != device]
-    if elsewhere:
-        raise NcclSendError(f"{len(elsewhere)} tensor(s) are not on {device}, e.g. "
-                            f"{elsewhere[0]} on {dict(weights)[elsewhere[0]].device}")
-    return device
 
 
 def _free_port(address: str) -> int:
