@@ -52,6 +52,11 @@ class PauseCheckFailure(AssertionError):
     """A pause/resume check found the server misbehaving."""
 
 
+class NothingCaught(PauseCheckFailure):
+    """The pauses fell between requests: the run proved nothing either way (timing on a
+    loaded host), so a caller may run it again."""
+
+
 # What each documented mode does to in-flight requests (vLLM's /pause docstring).
 DOCUMENTED: dict[str, str] = {"abort": "aborted", "wait": "drained", "keep": "frozen"}
 # Deprecated boolean flags that select a mode (older vLLM): name -> class.
@@ -930,10 +935,11 @@ def check_concurrent_pause_cycles(client: ServerClient, prompts: Sequence[Sequen
         cl["completed_while_paused"] = sum(1 for r in caught if r.done_at <= tr
                                            and r.finish_reason == "length")
     if not any(cl["held_across"] + cl["aborted"] for cl in cycle_log):
-        raise _fail(f"no request was held across or aborted by any of the {cycles} pauses "
+        ctx = client._context()
+        raise NothingCaught(f"no request was held across or aborted by any of the {cycles} pauses "
                     f"({len(reqs)} requests): the cycles did not exercise requests in flight; "
                     f"longer requests (max_tokens {max_tokens}) or more clients would. "
-                    f"Cycles: {cycle_log}", client)
+                    f"Cycles: {cycle_log}" + ("\n" + ctx if ctx else ""))
     by_finish: dict[str, int] = {}
     for r in reqs:
         by_finish[str(r.finish_reason)] = by_finish.get(str(r.finish_reason), 0) + 1

@@ -221,11 +221,21 @@ def test_concurrent_streams_through_pause_sync_resume_cycles(harness):
     seeds = [21, 22, 23]
     weights = [harness.perturbed(s) for s in seeds]
     prompts = [p.prompt_ids for p in harness.reference().prompts]
-    obs = pc.check_concurrent_pause_cycles(
-        harness.client, prompts, styles, lambda i: harness.sync(weights[i], pause=False),
-        clients=4, cycles=len(seeds), max_tokens=400, run_seconds=1.0,
-        request_timeout=max(REQUEST_TIMEOUT, harness.sync_timeout + 60),
-        tolerate_empty_abort=True)  # see test_abort_of_a_held_request_reports_a_finish_reason
+    # On a loaded 2-core host the clients can lag so far behind the server that every
+    # pause falls between requests; such a run proves nothing, so it is run again (up to
+    # 3 times). Any other failure is final.
+    for attempt in range(3):
+        try:
+            obs = pc.check_concurrent_pause_cycles(
+                harness.client, prompts, styles, lambda i: harness.sync(weights[i], pause=False),
+                clients=4, cycles=len(seeds), max_tokens=400, run_seconds=1.0,
+                request_timeout=max(REQUEST_TIMEOUT, harness.sync_timeout + 60),
+                tolerate_empty_abort=True)  # see test_abort_of_a_held_request_reports_a_finish_reason
+            break
+        except pc.NothingCaught:
+            if attempt == 2:
+                raise
+    harness.record(pause_cycles_attempts=attempt + 1)
     harness.record(pause_cycles=obs, pause_cycles_finish_reasons=obs["finish_reasons"],
                    pause_cycles_empty_streams=obs["empty_streams_without_finish_reason"])
     # After the last cycle the server serves the last weights sent.
