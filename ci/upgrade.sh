@@ -136,12 +136,12 @@ fi
 run_suite "$OLD" "$OLD_VENV"
 run_suite "$NEW" "$NEW_VENV"
 
-OUT="reports/upgrade-$OLD-to-$NEW.txt"
+DIFF_FILE="reports/upgrade-$OLD-to-$NEW.txt"
 set +e
 (cd "$SRC" && "$NEW_VENV/bin/python" -m harness.diff "$ROOT/reports/$STACK-vllm-$OLD.json" \
-  "$ROOT/reports/$STACK-vllm-$NEW.json") > "$OUT"
+  "$ROOT/reports/$STACK-vllm-$NEW.json") > "$DIFF_FILE"
 rc=$?
 set -e
-cat "$OUT"
-log "diff written to $OUT (exit code $rc: $([[ $rc == 0 ]] && echo 'no regression' || echo 'REGRESSED'))"
+cat "$DIFF_FILE"
+log "diff written to $DIFF_FILE (exit code $rc: $([[ $rc == 0 ]] && echo 'no regression' || echo 'REGRESSED'))"
 exit $rc
