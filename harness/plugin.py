@@ -214,13 +214,15 @@ class ServerPool:
     """One server per distinct ServerConfig, at most ``max_alive`` at once.
 
     A server that failed to start poisons its config: later tests fail at once with
-    the original error instead of waiting out another start.
+    the original error instead of waiting out another start. ``holds`` says which
+    weights each server holds (no entry: the dummy weights it started with), so that a
+    test can ask for a state instead of assuming what the tests before it left.
     """
 
     def __init__(self, log_dir: Path, start_timeout: float, max_alive: int, url: str | None):
         self.log_dir, self.start_timeout, self.max_alive, self.url = log_dir, start_timeout, max_alive, url
         self.servers: dict[ServerConfig, VLLMServer] = {}
-        self.dirty: set[ServerConfig] = set()
+        self.holds: dict[ServerConfig, str] = {}
         self.poisoned: dict[ServerConfig, str] = {}
         self.started: list[dict] = []
         atexit.register(self.stop_all)
@@ -228,7 +230,7 @@ class ServerPool:
     def get(self, cfg: ServerConfig, *, fresh: bool = False) -> VLLMServer:
         if self.url:
             srv = VLLMServer.attach(self.url, cfg)
-            if fresh and cfg in self.dirty:
+            if fresh and cfg in self.holds:
                 pytest.skip("needs a never-synced server; an attached server (--vllm-url) "
                             "cannot be restarted")
             self.servers[cfg] = srv
@@ -237,7 +239,7 @@ class ServerPool:
             pytest.fail(f"server for this config failed earlier; not retried:\n{self.poisoned[cfg]}",
                         pytrace=False)
         srv = self.servers.get(cfg)
-        if srv is not None and (not srv.alive() or (fresh and cfg in self.dirty)):
+        if srv is not None and (not srv.alive() or (fresh and cfg in self.holds)):
             self._stop(cfg)
             srv = None
         if srv is None:
@@ -256,12 +258,17 @@ class ServerPool:
             self.servers[cfg] = self.servers.pop(cfg)
         return srv
 
-    def mark_dirty(self, cfg: ServerConfig) -> None:
-        self.dirty.add(cfg)
+    def set_holds(self, cfg: ServerConfig, weights: str) -> None:
+        self.holds[cfg] = weights
+
+    def discard(self, cfg: ServerConfig) -> None:
+        """Stop a server whose state cannot be trusted; the next test gets a new one."""
+        if cfg in self.servers and not self.url:
+            self._stop(cfg)
 
     def _stop(self, cfg: ServerConfig) -> None:
         srv = self.servers.pop(cfg)
-        self.dirty.discard(cfg)
+        self.holds.pop(cfg, None)
         srv.stop()
 
     def stop_all(self) -> None:
@@ -321,6 +328,7 @@ def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool)
                     fresh=request.node.get_closest_marker("fresh_server") is not None)
     request.node.stash[_SESSION] = s
     yield s
+    s.leave_healthy()
 
 
 @dataclasses.dataclass

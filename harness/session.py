@@ -32,6 +32,7 @@ class SyncSession:
         self.server = self.use_server(self.server_cfg, fresh=fresh)
         self.client = self.client_for(self.server)
         self.metrics: dict[str, Any] = {}
+        self.tainted = False  # the last sync was corrupted on purpose or did not complete
         self._tokenizer = None
 
     # ------------------------------------------------------------------ servers
@@ -82,7 +83,10 @@ class SyncSession:
                            weights_dir=str(weights_dir or self.model_path), dtype=self.case.dtype,
                            device=lay.trainer_device, corrupt=corrupt,
                            options=dict(options or {}, device=lay.trainer_device))
-        self.pool.mark_dirty(self.server_cfg)
+        weights = str(weights_dir or self.model_path)
+        # Until the trainer reports success the server holds an unknown mix of weights.
+        self.pool.set_holds(self.server_cfg, f"{weights} (sync not completed)")
+        self.tainted = True
         if pause:
             self.client.pause(pause_mode) if pause_mode else self.client.pause()
         try:
@@ -91,10 +95,36 @@ class SyncSession:
         finally:
             if pause:
                 self.client.resume()
+        self.tainted = corrupt is not None
+        self.pool.set_holds(self.server_cfg,
+                            weights if corrupt is None else f"{weights} ({result.get('corruption')})")
         self.record(sync_seconds=result.get("sync_seconds"), sync_bytes=result.get("bytes"),
                     sync_tensors=result.get("tensors"), trainer_api=result.get("api_path"),
                     server_start_seconds=self.server.start_seconds, vllm_version=self.server.version)
         return result
+
+    @property
+    def holds(self) -> str | None:
+        """The weights the server holds: a path, or None for its dummy weights."""
+        return self.pool.holds.get(self.server_cfg)
+
+    def ensure_holds(self, weights_dir: str | Path | None = None) -> None:
+        """Sync ``weights_dir`` (default: the model) unless the server already holds it."""
+        if self.holds != str(weights_dir or self.model_path):
+            self.sync(weights_dir)
+
+    def leave_healthy(self) -> None:
+        """Test teardown: a test that corrupted an update on purpose (or whose sync did
+        not complete) must not hand the damage to the next test on this server. Push
+        the model's weights again; if even that fails, stop the server."""
+        if not self.tainted:
+            return
+        try:
+            if self.client.is_paused():
+                self.client.resume()
+            self.sync()
+        except Exception:
+            self.pool.discard(self.server_cfg)
 
     def record(self, **metrics: Any) -> None:
         self.metrics.update(metrics)

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-CORRUPTIONS = ("drop", "scale", "swap", "nothing")
+CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan")
 
 
 class TrainerError(RuntimeError):
@@ -63,6 +63,8 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         return [(n, t) for n, t in weights if n != pick], f"dropped {pick}"
     if kind == "scale":
         return [(n, t * 1.01 if n == pick else t) for n, t in weights], f"scaled {pick} by 1.01"
+    if kind == "nan":  # what a diverged training step pushes
+        return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
     # swap: two different tensors of one shape trade contents
     shapes: dict[tuple, list[str]] = {}
     for n, t in weights:

@@ -115,6 +115,9 @@ def test_corruptions_change_what_is_sent():
     swapped, _ = corrupt_weights(w, "swap")
     assert torch.equal(dict(swapped)["a.weight"], torch.zeros(2, 2))
     assert corrupt_weights(w, "nothing")[0] == []
+    nan, what = corrupt_weights(w, "nan", "b.weight")
+    assert dict(nan)["b.weight"].isnan().all() and dict(nan)["a.weight"].eq(1).all()
+    assert what == "set b.weight to NaN"
     with pytest.raises(ValueError, match="unknown corruption"):
         corrupt_weights(w, "bogus")
 
@@ -149,3 +152,85 @@ def test_crashing_server_fails_fast_with_its_log_and_leaves_nothing(tmp_path):
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if p.pid not in before and "vllm" in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, leftovers
+
+
+class _FakeClient:
+    """Answers like vLLM when the model computes NaN: HTTP 400 from its JSON encoder."""
+
+    def __init__(self, detail):
+        self.detail = detail
+
+    def complete(self, *a, **kw):
+        from harness.client import ControlPlaneError
+
+        raise ControlPlaneError("/v1/completions", {"prompt": [1]}, self.detail, 400)
+
+
+def test_nonfinite_server_output_is_a_parity_failure_other_400s_are_not():
+    from harness.client import ControlPlaneError
+
+    ref = _ref()
+    nan = '{"error":{"message":"Out of range float values are not JSON compliant"}}'
+    with pytest.raises(parity.NonFiniteOutput, match="non-finite logprobs .* prompt 'p'"):
+        parity.observe(_FakeClient(nan), ref)
+    with pytest.raises(parity.NonFiniteOutput):
+        parity.observe_generation(_FakeClient(nan), ref)
+    with pytest.raises(ControlPlaneError, match="max_tokens"):
+        parity.observe(_FakeClient('{"error":{"message":"max_tokens too large"}}'), ref)
+
+
+class _FakePool:
+    def __init__(self):
+        self.holds, self.discarded = {}, []
+
+    def set_holds(self, cfg, weights):
+        self.holds[cfg] = weights
+
+    def discard(self, cfg):
+        self.discarded.append(cfg)
+
+
+def _session(sync_error=None):
+    from harness.session import SyncSession
+
+    s = SyncSession.__new__(SyncSession)  # no server: only the bookkeeping is under test
+    s.pool, s.server_cfg, s.model_path, s.tainted = _FakePool(), "cfg", "/m", False
+    s.synced = []
+
+    class Client:
+        def is_paused(self):
+            return False
+
+    def sync(weights_dir=None, **kw):
+        s.synced.append((weights_dir, kw))
+        if sync_error:
+            raise sync_error
+        s.pool.holds["cfg"] = str(weights_dir or s.model_path)
+        s.tainted = kw.get("corrupt") is not None
+
+    s.client, s.sync = Client(), sync
+    return s
+
+
+def test_a_server_is_resynced_only_when_it_does_not_hold_the_asked_weights():
+    s = _session()
+    assert s.holds is None                 # dummy weights
+    s.ensure_holds()
+    s.ensure_holds()
+    assert s.synced == [(None, {})] and s.holds == "/m"
+    s.pool.holds["cfg"] = "/m (dropped x.q_proj)"
+    s.ensure_holds()
+    assert len(s.synced) == 2
+
+
+def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_test():
+    s = _session()
+    s.leave_healthy()
+    assert s.synced == []                   # nothing to repair
+    s.tainted = True
+    s.leave_healthy()
+    assert s.synced == [(None, {})] and not s.tainted and s.pool.discarded == []
+    broken = _session(sync_error=RuntimeError("trainer timed out"))
+    broken.tainted = True
+    broken.leave_healthy()
+    assert broken.pool.discarded == ["cfg"]

@@ -119,7 +119,6 @@ def test_partial_update_keeps_unsent_weights(harness):
     of the fused qkv_proj; layerwise reload rebuilds the layer from fresh memory and
     loads only the k/v shards it received, so q holds whatever that memory held."""
     from harness import parity
-    from harness.client import ControlPlaneError
 
     ref = harness.reference()
     harness.sync()                      # the full model: parity
@@ -127,13 +126,7 @@ def test_partial_update_keeps_unsent_weights(harness):
     parity.assert_logprobs_close(full)
     result = harness.sync(corrupt="drop")   # the same weights, minus one tensor
     assert result["corruption"].startswith("dropped model.layers.1.self_attn.q_proj")
-    try:
-        after = harness.compare(ref)
-    except ControlPlaneError as e:
-        # Garbage that happens to hold NaN/inf: vLLM cannot even serialise the logprobs.
-        if "Out of range float values" not in str(e):
-            raise
-        raise AssertionError(f"non-finite logprobs after the partial update: {e}") from None
+    after = harness.compare(ref)  # garbage holding NaN/inf raises parity.NonFiniteOutput
     harness.record(**{f"partial_{k}": v for k, v in after.metrics().items()})
     parity.assert_logprobs_close(after)
 

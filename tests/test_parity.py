@@ -108,11 +108,9 @@ def test_architecture_parity(synced, request):
 
 def _twin_check(synced, harness, request):
     s, ref = harness, synced.reference
-    # The server must hold what the seed flow synced. On CPU the same weights give the
-    # same numbers bit for bit, so a different report means another test (or a server
-    # restart) changed the weights since: sync the seed weights again.
-    if s.compare(ref).max_abs != synced.after.max_abs:
-        s.sync()
+    # The server must hold what the seed flow synced; another test (or a restart) may
+    # have changed its weights since.
+    s.ensure_holds()
     synced_obs = s.observe(ref)
     _, twin_client = s.twin(s.model_path)
     twin_obs = s.observe(ref, twin_client)
@@ -226,7 +224,7 @@ def test_prefix_cache_after_sync(harness, request, clear_cache):
 @pytest.mark.selftest
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-@pytest.mark.parametrize("corruption", ["drop", "scale", "swap", "nothing"])
+@pytest.mark.parametrize("corruption", ["drop", "scale", "swap", "nothing", "nan"])
 def test_parity_detects_corrupted_update(harness, corruption):
     s = harness
     ref = s.reference()
@@ -237,7 +235,14 @@ def test_parity_detects_corrupted_update(harness, corruption):
     stale = s.compare(ref)
     assert not within_tolerance(stale), f"precondition: perturbed weights match ({stale.summary()})"
     result = s.sync(corrupt=corruption)
-    report = s.compare(ref)
+    try:
+        report = s.compare(ref)
+    except parity.NonFiniteOutput as e:
+        # Detected, before any tolerance: the server computes NaN/inf (a dropped shard of a
+        # fused weight can be left as uninitialised memory: known_issues.toml).
+        s.record(corruption=result.get("corruption"), corrupted_nonfinite=True,
+                 corrupted_detail=str(e).splitlines()[0])
+        return
     s.record(corruption=result.get("corruption"), corrupted_max_abs_dlogprob=report.max_abs,
              corrupted_mean_abs_dlogprob=report.mean_abs)
     with pytest.raises(AssertionError) as excinfo:

@@ -49,9 +49,8 @@ def style_or_skip(harness, name: str) -> pc.PauseStyle:
 
 def with_real_weights(harness) -> None:
     """Greedy text is compared token for token; dummy weights give near-uniform
-    logits whose argmax numerics may flip. Load the zoo model's weights once."""
-    if harness.server_cfg not in harness.pool.dirty:
-        harness.sync()
+    logits whose argmax numerics may flip. Load the zoo model's weights unless held."""
+    harness.ensure_holds()
 
 
 def short_prompt(harness) -> list[int]:
