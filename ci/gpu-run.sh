@@ -7,6 +7,10 @@
 #
 # Writes OUTDIR/report.json (the harness report), OUTDIR/junit.xml, OUTDIR/pytest.log
 # and OUTDIR/logs.tgz (every server's and trainer's log).
+#
+# GPU_RUN_SECONDS=N: interrupt pytest after N seconds (Ctrl-C: servers are stopped and
+# the report is written), killing it 30 s later if it does not stop. Use it under a
+# job limit; even a killed run leaves the report of the tests that finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: ci/gpu-run.sh OUTDIR [pytest args...]}; shift
@@ -20,7 +24,9 @@ if ! python3 -c "import importlib.metadata as m; m.version('weight-sync-harness'
   }
 fi
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv > "$out/gpus.csv" 2>&1 || true
-python3 -m pytest --harness-report "$out/report.json" --junitxml "$out/junit.xml" \
+limit=()
+[ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=30 "$GPU_RUN_SECONDS")
+"${limit[@]}" python3 -m pytest --harness-report "$out/report.json" --junitxml "$out/junit.xml" \
   --vllm-log-dir "$out/logs" "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 tar czf "$out/logs.tgz" -C "$out" logs 2>/dev/null && rm -rf "$out/logs"

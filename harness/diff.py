@@ -94,6 +94,9 @@ def _versions(a: dict, b: dict) -> list[dict]:
         return f"{v.get('version')} ({v.get('dist')})" if v.get("version") else None
 
     pairs = [("vllm", vllm(ha), vllm(hb))]
+    if ha.get("complete") is False or hb.get("complete") is False:
+        # written after each test: a run cut short by a time limit still has a report
+        pairs.append(("complete run", ha.get("complete", True), hb.get("complete", True)))
     for key in ("torch", "transformers", "tokenizers", "python", "pytest", "harness"):
         pairs.append((key, ha.get(key), hb.get(key)))
     pairs.append(("git commit", (ha.get("git") or {}).get("commit"),

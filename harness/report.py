@@ -226,6 +226,10 @@ class _TestRecord:
             self.message = msg
         self.props = list(rep.user_properties)  # the item's list, as of this phase
 
+    def ran(self) -> bool:
+        """The test body ran (it was not skipped or refused at setup)."""
+        return "call" in self.phases
+
     def outcome(self) -> str:
         p = self.phases
         setup, call, teardown = p.get("setup"), p.get("call"), p.get("teardown")
@@ -300,6 +304,8 @@ class ReportPlugin:
         self.openapi_source: dict | None = None
         self.openapi_error: str | None = None
         self.openapi_attempts = 0
+        self.backend_caps: tuple[dict, dict] | None = None
+        self.write_error: str | None = None
 
     # ---------------------------------------------------------------- header line
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
@@ -311,6 +317,13 @@ class ReportPlugin:
         if rec is None:
             rec = self.records[report.nodeid] = _TestRecord(report.nodeid)
         rec.add(report)
+        # A run killed by a job's time limit still leaves the tests it finished: the
+        # report is rewritten (header "complete": false) after every test that ran.
+        if report.when == "teardown" and rec.ran():
+            try:
+                self._write(self.build(None))
+            except Exception as e:  # never fail a test over the report
+                self.write_error = f"{type(e).__name__}: {e}"
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem) -> None:
@@ -369,7 +382,9 @@ class ReportPlugin:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.openapi is None:
             self._capture_from_url()
-        report = self.build(int(exitstatus))
+        self._write(self.build(int(exitstatus)))
+
+    def _write(self, report: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
@@ -414,12 +429,15 @@ class ReportPlugin:
             "start_time": self.started_at.isoformat(timespec="seconds"),
             "wall_seconds": round(time.monotonic() - self.t0, 3),
             "exitstatus": exitstatus,
+            "complete": exitstatus is not None,
         }
 
     def capabilities(self) -> dict:
         t0 = time.monotonic()
         probe = os.environ.get(PROBE_ENV, "1") != "0"
-        trainer_api, backends = backend_capabilities(probe)
+        if self.backend_caps is None:  # probed once: the installed vLLM does not change
+            self.backend_caps = backend_capabilities(probe)
+        trainer_api, backends = self.backend_caps
         caps: dict[str, Any] = {
             "routes": self.openapi["routes"] if self.openapi else None,
             "routes_source": self.openapi_source,

@@ -94,7 +94,7 @@ def test_report_document(inner_run, pytester):
     assert h["torch"] == importlib.metadata.version("torch")
     assert h["python"] == ".".join(map(str, sys.version_info[:3]))
     assert h["selection"]["models"] == ["llama"] and h["selection"]["dtypes"] == ["fp32"]
-    assert h["seed"] == 0 and h["exitstatus"] == 1
+    assert h["seed"] == 0 and h["exitstatus"] == 1 and h["complete"] is True
     i = h["args"].index("--vllm-model")
     assert h["args"][i:i + 4] == ["--vllm-model", "llama", "--vllm-dtype", "fp32"]
     assert h["executable"] == sys.executable
@@ -146,6 +146,33 @@ def test_report_document(inner_run, pytester):
     out = r.stdout.str()
     assert "reproduce: cd " in out and "--harness-report out/report.json" in out
     assert "harness report written to" in out
+
+
+def test_a_run_killed_midway_leaves_the_report_of_what_finished(pytester, monkeypatch):
+    # A GPU job's time limit kills pytest without a sessionfinish; the tests that ran
+    # before must still be on disk, marked incomplete.
+    monkeypatch.setenv(report.PROBE_ENV, "0")
+    monkeypatch.delenv("HARNESS_REPORT", raising=False)
+    pytester.makepyfile(test_cut="""
+import os, pytest
+
+@pytest.mark.skip(reason="not this one")
+def test_skipped():
+    pass
+
+def test_first(request):
+    request.node.user_properties.append(("metrics", {"max_abs_dlogprob": 1e-6}))
+
+def test_killed():
+    os._exit(137)
+""")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-report", "cut.json")
+    assert r.ret == 137
+    rep = json.loads((pytester.path / "cut.json").read_text())
+    assert rep["header"]["complete"] is False and rep["header"]["exitstatus"] is None
+    outcomes = {t["nodeid"].split("::")[1]: t["outcome"] for t in rep["tests"]}
+    assert outcomes == {"test_first": "passed", "test_skipped": "skipped"}
+    assert rep["tests"][1]["metrics"] == {"max_abs_dlogprob": 1e-6}
 
 
 def test_junit_xml_still_written(inner_run, pytester):
