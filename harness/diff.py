@@ -142,8 +142,8 @@ def _tests(a: dict, b: dict) -> list[dict]:
             level, why = REGRESSION, f"known issue {kb} newly applies in B"
         elif ob in FAILING and oa not in FAILING:
             level, why = WARN, f"{oa} in A, fails in B"
-        elif oa in PASSING and ob == "skipped":
-            level, why = WARN, "ran in A, skipped in B"
+        elif oa in PASSING and ob in ("skipped", "interrupted"):
+            level, why = WARN, f"ran in A, {ob} in B"
         elif oa in FAILING and ob in PASSING:
             why = "fixed in B"
         if y is not None and ob in FAILING and y.get("message"):
@@ -327,7 +327,8 @@ def render(d: dict, a_name: str = "A", b_name: str = "B") -> str:
     out = [f"harness diff  A = {a_name} (vLLM {va.get('version')}, {d['a']['start_time']})",
            f"              B = {b_name} (vLLM {vb.get('version')}, {d['b']['start_time']})", ""]
     sa, sb = d["a"]["summary"], d["b"]["summary"]
-    keys = [k for k in ("total", "passed", "failed", "error", "skipped", "xfailed", "xpassed")
+    keys = [k for k in ("total", "passed", "failed", "error", "skipped", "xfailed", "xpassed",
+                        "interrupted")
             if k in sa or k in sb]
     out.append("Outcomes   " + "  ".join(f"{k} {sa.get(k, 0)} -> {sb.get(k, 0)}" for k in keys))
     out.append("")

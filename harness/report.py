@@ -238,7 +238,10 @@ class _TestRecord:
         if setup in ("skipped", "xfailed"):
             return setup
         if call is None:
-            return "error" if "failed" in p.values() else "skipped"
+            if "failed" in p.values():
+                return "error"
+            # set up, never finished: the run was interrupted (Ctrl-C, a time limit)
+            return "interrupted" if setup == "passed" else "skipped"
         if call == "xpassed_strict":
             return "failed"
         if teardown == "failed" and call != "failed":
@@ -429,7 +432,8 @@ class ReportPlugin:
             "start_time": self.started_at.isoformat(timespec="seconds"),
             "wall_seconds": round(time.monotonic() - self.t0, 3),
             "exitstatus": exitstatus,
-            "complete": exitstatus is not None,
+            # ended normally: not killed mid-run (None) nor interrupted (pytest's 2)
+            "complete": exitstatus is not None and exitstatus != pytest.ExitCode.INTERRUPTED,
         }
 
     def capabilities(self) -> dict:

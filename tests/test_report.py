@@ -175,6 +175,30 @@ def test_killed():
     assert rep["tests"][1]["metrics"] == {"max_abs_dlogprob": 1e-6}
 
 
+def test_an_interrupted_test_is_not_reported_as_skipped(pytester, monkeypatch):
+    # Ctrl-C, or ci/gpu-run.sh's GPU_RUN_SECONDS: the test under way was set up and
+    # never finished; the run is marked incomplete.
+    monkeypatch.setenv(report.PROBE_ENV, "0")
+    monkeypatch.delenv("HARNESS_REPORT", raising=False)
+    pytester.makepyfile(test_int="""
+def test_done():
+    pass
+
+def test_cut():
+    raise KeyboardInterrupt
+
+def test_never():
+    pass
+""")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-report", "int.json")
+    assert r.ret == pytest.ExitCode.INTERRUPTED
+    rep = json.loads((pytester.path / "int.json").read_text())
+    assert rep["header"]["complete"] is False and rep["header"]["exitstatus"] == 2
+    assert {t["nodeid"].split("::")[1]: t["outcome"] for t in rep["tests"]} == {
+        "test_done": "passed", "test_cut": "interrupted"}
+    assert rep["summary"]["interrupted"] == 1
+
+
 def test_junit_xml_still_written(inner_run, pytester):
     inner_run()
     root = ET.parse(pytester.path / "out" / "junit.xml").getroot()
