@@ -32,7 +32,7 @@ class SyncSession:
         self.server = self.use_server(self.server_cfg, fresh=fresh)
         self.client = self.client_for(self.server)
         self.metrics: dict[str, Any] = {}
-        self.tainted = False  # the last sync was corrupted on purpose or did not complete
+        self.tainted: str | None = None  # "corrupted" on purpose, or "incomplete"
         self._tokenizer = None
 
     # ------------------------------------------------------------------ servers
@@ -86,7 +86,7 @@ class SyncSession:
         weights = str(weights_dir or self.model_path)
         # Until the trainer reports success the server holds an unknown mix of weights.
         self.pool.set_holds(self.server_cfg, f"{weights} (sync not completed)")
-        self.tainted = True
+        self.tainted = "incomplete"
         if pause:
             self.client.pause(pause_mode) if pause_mode else self.client.pause()
         try:
@@ -95,7 +95,7 @@ class SyncSession:
         finally:
             if pause:
                 self.client.resume()
-        self.tainted = corrupt is not None
+        self.tainted = "corrupted" if corrupt is not None else None
         self.pool.set_holds(self.server_cfg,
                             weights if corrupt is None else f"{weights} ({result.get('corruption')})")
         self.record(sync_seconds=result.get("sync_seconds"), sync_bytes=result.get("bytes"),
@@ -114,10 +114,14 @@ class SyncSession:
             self.sync(weights_dir)
 
     def leave_healthy(self) -> None:
-        """Test teardown: a test that corrupted an update on purpose (or whose sync did
-        not complete) must not hand the damage to the next test on this server. Push
-        the model's weights again; if even that fails, stop the server."""
+        """Test teardown: a test that corrupted an update on purpose must not hand the
+        damage to the next test on this server: push the model's weights again. A sync
+        that did not complete (the transport may hang again), or a repair that fails,
+        stops the server instead; the next test gets a new one."""
         if not self.tainted:
+            return
+        if self.tainted == "incomplete":
+            self.pool.discard(self.server_cfg)
             return
         try:
             if self.client.is_paused():

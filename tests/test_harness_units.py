@@ -194,7 +194,7 @@ def _session(sync_error=None):
     from harness.session import SyncSession
 
     s = SyncSession.__new__(SyncSession)  # no server: only the bookkeeping is under test
-    s.pool, s.server_cfg, s.model_path, s.tainted = _FakePool(), "cfg", "/m", False
+    s.pool, s.server_cfg, s.model_path, s.tainted = _FakePool(), "cfg", "/m", None
     s.synced = []
 
     class Client:
@@ -206,7 +206,7 @@ def _session(sync_error=None):
         if sync_error:
             raise sync_error
         s.pool.holds["cfg"] = str(weights_dir or s.model_path)
-        s.tainted = kw.get("corrupt") is not None
+        s.tainted = "corrupted" if kw.get("corrupt") else None
 
     s.client, s.sync = Client(), sync
     return s
@@ -227,10 +227,15 @@ def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_test():
     s = _session()
     s.leave_healthy()
     assert s.synced == []                   # nothing to repair
-    s.tainted = True
+    s.tainted = "corrupted"
     s.leave_healthy()
     assert s.synced == [(None, {})] and not s.tainted and s.pool.discarded == []
     broken = _session(sync_error=RuntimeError("trainer timed out"))
-    broken.tainted = True
+    broken.tainted = "corrupted"
     broken.leave_healthy()
     assert broken.pool.discarded == ["cfg"]
+    # a sync that never completed is not retried (it could hang again): restart
+    hung = _session()
+    hung.tainted = "incomplete"
+    hung.leave_healthy()
+    assert hung.synced == [] and hung.pool.discarded == ["cfg"]
