@@ -212,6 +212,17 @@ print("IMPORT " + json.dumps(out))
 """
 
 
+def sender_path(engine: str, error: type[Exception]) -> tuple[dict[str, Any], str]:
+    """(probe(), the path the ``engine`` sender will take); ``error`` names the exact
+    import failure when vLLM's engine module for it cannot be imported."""
+    caps = probe()
+    path = caps[f"{engine}_path"]
+    if path == "unimportable":
+        raise error(f"vLLM's {engine.upper()} engine module cannot be imported: "
+                    f"{caps['errors'].get(ENGINE_MODULES[engine])}")
+    return caps, path
+
+
 def backend_importable(engine: str, timeout: float = 300.0) -> tuple[bool, str]:
     """Can vLLM's engine module for ``engine`` ("nccl" / "ipc") be imported?
 

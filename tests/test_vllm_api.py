@@ -382,3 +382,20 @@ def test_senders_refuse_cpu_tensors(engine):
         sender_module(engine).send(rc_fake, _weights(), packed=False, options={})
     assert rc_fake.posted == []  # refused before any route was called
 
+
+
+@pytest.mark.parametrize("engine, error", [("nccl", "NcclSendError"), ("ipc", "IpcSendError")])
+def test_senders_name_the_import_failure_of_vllms_engine(engine, error, monkeypatch):
+    # vLLM 0.26.0's ipc_engine imports ray at module level: the sender must say so
+    # before touching the server, not fail somewhere inside vLLM.
+    from harness.backends import sender_module
+
+    module = sender_module(engine)
+    cause = "ModuleNotFoundError: No module named 'ray'"
+    monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
+        f"{engine}_path": "unimportable", "errors": {vllm_api.ENGINE_MODULES[engine]: cause}})
+    rc_fake = FakeServerClient()
+    with pytest.raises(getattr(module, error),
+                       match=f"vLLM's {engine.upper()} engine module cannot be imported: {cause}"):
+        module.send(rc_fake, _weights(), packed=False, options={})
+    assert rc_fake.posted == []

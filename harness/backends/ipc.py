@@ -41,11 +41,7 @@ def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict)
     """
     import torch
 
-    caps = vllm_api.probe()
-    path = caps["ipc_path"]
-    if path == "unimportable":
-        raise IpcSendError("vLLM's IPC engine module cannot be imported: "
-                           f"{caps['errors'].get(vllm_api.ENGINE_MODULES['ipc'])}")
+    caps, path = vllm_api.sender_path("ipc", IpcSendError)
     device = cuda_device_of(weights, options, IpcSendError, "CUDA IPC shares CUDA memory")
     # vLLM reads the current device to name the GPU (its UUID) in every handle.
     torch.cuda.set_device(device)

@@ -107,11 +107,7 @@ def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict)
     defaults otherwise), ``step_timeout_s`` (default: the client's HTTP timeout
     plus 60 s, so that an HTTP timeout, which says more, fires first).
     """
-    caps = vllm_api.probe()
-    path = caps["nccl_path"]
-    if path == "unimportable":
-        raise NcclSendError("vLLM's NCCL engine module cannot be imported: "
-                            f"{caps['errors'].get(vllm_api.ENGINE_MODULES['nccl'])}")
+    caps, path = vllm_api.sender_path("nccl", NcclSendError)
     # before any route: CPU tensors are refused up front
     device = cuda_device_of(weights, options, NcclSendError, "NCCL sends from a CUDA device")
     rc = vllm_api.RecordingClient(client)
