@@ -394,6 +394,9 @@ class ReportPlugin:
         tmp.replace(self.path)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.write_error:
+            terminalreporter.write_line(f"harness report: rewriting it after a test failed "
+                                        f"({self.write_error}); the final write below is whole")
         terminalreporter.write_line(f"harness report written to {self.path}")
 
     def header(self, exitstatus: int | None) -> dict:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,12 @@ class SyncSession:
              pause: bool = True, pause_mode: str | None = None, options: dict | None = None) -> dict:
         """pause -> the trainer (own process) pushes ``weights_dir`` -> resume."""
         lay = self.case.layout
+        weights = str(weights_dir or self.model_path)
         spec = TrainerSpec(url=self.server.url, engine=self.case.backend.engine,
-                           packed=self.case.backend.packed,
-                           weights_dir=str(weights_dir or self.model_path), dtype=self.case.dtype,
+                           packed=self.case.backend.packed, weights_dir=weights,
+                           dtype=self.case.dtype,
                            device=lay.trainer_device, corrupt=corrupt,
                            options=dict(options or {}, device=lay.trainer_device))
-        weights = str(weights_dir or self.model_path)
         # Until the trainer reports success the server holds an unknown mix of weights.
         self.pool.set_holds(self.server_cfg, f"{weights} (sync not completed)")
         self.tainted = "incomplete"
@@ -120,15 +121,18 @@ class SyncSession:
         stops the server instead; the next test gets a new one."""
         if not self.tainted:
             return
-        if self.tainted == "incomplete":
-            self.pool.discard(self.server_cfg)
-            return
-        try:
-            if self.client.is_paused():
-                self.client.resume()
-            self.sync()
-        except Exception:
-            self.pool.discard(self.server_cfg)
+        why = "a weight sync did not complete"
+        if self.tainted == "corrupted":
+            try:
+                if self.client.is_paused():
+                    self.client.resume()
+                self.sync()
+                return
+            except Exception as e:
+                why = f"pushing the model again after a deliberate corruption failed: {e}"
+        warnings.warn(f"server {self.server.url} restarted for the next test: {why}",
+                      stacklevel=2)
+        self.pool.discard(self.server_cfg)
 
     def record(self, **metrics: Any) -> None:
         self.metrics.update(metrics)

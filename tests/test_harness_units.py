@@ -3,6 +3,7 @@ server lifecycle on failure. No vLLM server needed, except where one must crash.
 
 import json
 import time
+import types
 
 import psutil
 import pytest
@@ -195,6 +196,7 @@ def _session(sync_error=None):
 
     s = SyncSession.__new__(SyncSession)  # no server: only the bookkeeping is under test
     s.pool, s.server_cfg, s.model_path, s.tainted = _FakePool(), "cfg", "/m", None
+    s.server = types.SimpleNamespace(url="http://127.0.0.1:1")
     s.synced = []
 
     class Client:
@@ -232,10 +234,12 @@ def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_test():
     assert s.synced == [(None, {})] and not s.tainted and s.pool.discarded == []
     broken = _session(sync_error=RuntimeError("trainer timed out"))
     broken.tainted = "corrupted"
-    broken.leave_healthy()
+    with pytest.warns(UserWarning, match="restarted .* failed: trainer timed out"):
+        broken.leave_healthy()
     assert broken.pool.discarded == ["cfg"]
     # a sync that never completed is not retried (it could hang again): restart
     hung = _session()
     hung.tainted = "incomplete"
-    hung.leave_healthy()
+    with pytest.warns(UserWarning, match="a weight sync did not complete"):
+        hung.leave_healthy()
     assert hung.synced == [] and hung.pool.discarded == ["cfg"]
