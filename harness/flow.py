@@ -1,0 +1,214 @@
+"""The flow: what a test, ``harness demo`` and ``harness repro`` all do, written once.
+
+    ref = s.reference()                 # Hugging Face, on the trainer's weights
+    before = s.compare(ref)             # dummy weights: gibberish expected
+    s.sync()                            # /pause -> the trainer pushes -> /resume
+    after = s.compare(ref)              # parity expected
+
+``SyncSession`` is what a caller holds for one case: its server (from the pool), an
+HTTP client, the reference, the persistent trainer, and the state of the server's
+weights. ``seed_flow`` runs the steps above and reports each one to an optional
+``on_step(name, **facts)`` callback: the pytest fixtures stay silent, the demo and
+repro commands narrate. No pytest here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from . import models, parity
+from .cases import Case, server_config_for, twin_config
+from .client import ServerClient
+from .pool import ServerPool, State
+from .reference import Reference, hf_reference
+from .server import ServerConfig, VLLMServer
+from .trainer import TrainerSpec, run_trainer
+
+OnStep = Callable[..., None]
+
+
+class SyncSession:
+    def __init__(self, case: Case, pool: ServerPool, *, fresh: bool = False,
+                 sync_timeout: float = 600.0, attention_backend: str | None = None,
+                 on_record: Callable[[str, dict], None] | None = None):
+        self.case, self.pool = case, pool
+        self.sync_timeout = sync_timeout
+        self.on_record = on_record
+        self.model_path: str = resolve_model_path(case.model)
+        self.server_cfg: ServerConfig = server_config_for(case, self.model_path,
+                                                          attention_backend=attention_backend)
+        self.current_server: VLLMServer | None = None
+        self.server = self.use_server(self.server_cfg, fresh=fresh)
+        self.client = self.client_for(self.server)
+        self.metrics: dict[str, Any] = {}
+        self._tokenizer = None
+
+    # ------------------------------------------------------------------ servers
+    def use_server(self, cfg: ServerConfig, *, fresh: bool = False) -> VLLMServer:
+        srv = self.pool.get(cfg, fresh=fresh)
+        srv.mark_log()
+        self.current_server = srv
+        return srv
+
+    def client_for(self, srv: VLLMServer) -> ServerClient:
+        return ServerClient(srv.url, context=srv.describe_failure)
+
+    def twin(self, weights_dir: str | Path) -> tuple[VLLMServer, ServerClient]:
+        """A second server that loads ``weights_dir`` from disk the normal way."""
+        srv = self.use_server(twin_config(self.server_cfg, weights_dir))
+        return srv, self.client_for(srv)
+
+    # ------------------------------------------------------------------ weights
+    def perturbed(self, seed: int, scale: float = 0.05) -> Path:
+        return models.perturbed_copy(Path(self.model_path), seed, scale)
+
+    def reference(self, weights_dir: str | Path | None = None, **kw: Any) -> Reference:
+        return hf_reference(weights_dir or self.model_path, self.case.dtype, **kw)
+
+    def decode(self, token: int) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer.decode([token])
+
+    # ------------------------------------------------------------------ observe
+    def observe(self, ref: Reference, client: ServerClient | None = None
+                ) -> list[parity.Observation]:
+        return parity.observe(client or self.client, ref)
+
+    def compare(self, ref: Reference, client: ServerClient | None = None) -> parity.ParityReport:
+        return parity.compare(self.observe(ref, client), ref, decode=self.decode)
+
+    # ------------------------------------------------------------------ sync
+    def trainer_spec(self, options: dict | None = None) -> TrainerSpec:
+        lay = self.case.layout
+        return TrainerSpec.make(url=self.server.url, engine=self.case.backend.engine,
+                                packed=self.case.backend.packed, dtype=self.case.dtype,
+                                device=lay.trainer_device,
+                                options=dict(options or {}, device=lay.trainer_device))
+
+    def sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
+             corrupt_target: str | None = None, pause: bool = True,
+             pause_mode: str | None = None, options: dict | None = None,
+             fresh_trainer: bool = False) -> dict:
+        """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
+
+        The server's persistent trainer for this backend variant does the work (its
+        group was opened by its first sync); ``fresh_trainer`` uses a trainer of its
+        own instead: a new process and a new group, gone afterwards."""
+        weights = str(weights_dir or self.model_path)
+        spec = self.trainer_spec(options)
+        # Until the trainer reports success the server holds an unknown mix of weights.
+        self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
+        if pause:
+            self.client.pause(pause_mode) if pause_mode else self.client.pause()
+        try:
+            if fresh_trainer:
+                result = run_trainer(spec, weights, corrupt=corrupt,
+                                     corrupt_target=corrupt_target, timeout=self.sync_timeout,
+                                     log_dir=self.pool.log_dir,
+                                     context=self.server.describe_failure)
+            else:
+                result = self.pool.trainer(self.server_cfg, spec).sync(
+                    weights, corrupt=corrupt, corrupt_target=corrupt_target,
+                    timeout=self.sync_timeout)
+        finally:
+            if pause:
+                self.client.resume()
+        self.pool.set_holding(self.server_cfg,
+                              State.SYNCED if corrupt is None else State.CORRUPTED, weights)
+        self.record(sync_seconds=result.get("sync_seconds"), sync_bytes=result.get("bytes"),
+                    sync_tensors=result.get("tensors"), trainer_api=result.get("api_path"),
+                    sync_first=result.get("first"), sync_init_seconds=result.get("init_seconds"),
+                    server_start_seconds=self.server.start_seconds,
+                    vllm_version=self.server.version)
+        if self.on_record is not None:
+            self.on_record("sync", {k: result.get(k) for k in (
+                "sync_seconds", "init_seconds", "load_seconds", "first", "bytes", "tensors",
+                "corruption", "api_path")})
+        return result
+
+    @property
+    def holds(self) -> str | None:
+        """The weights the server holds after a complete, undamaged sync (else None)."""
+        h = self.pool.holding_of(self.server_cfg)
+        return h.weights if h.state is State.SYNCED else None
+
+    def ensure_holds(self, weights_dir: str | Path | None = None) -> None:
+        """Sync ``weights_dir`` (default: the model) unless the server already holds it."""
+        if not self.pool.holding_of(self.server_cfg).holds(str(weights_dir or self.model_path)):
+            self.sync(weights_dir)
+
+    def leave_healthy(self) -> str | None:
+        """After use: a deliberately corrupted update must not reach the next user of
+        this server, so the model is pushed again. A sync that did not complete (the
+        transport may hang again), or a repair that fails, stops the server instead,
+        and the reason is returned (None when nothing had to be stopped)."""
+        state = self.pool.holding_of(self.server_cfg).state
+        if state in (State.DUMMY, State.SYNCED):
+            return None
+        why = "a weight sync did not complete"
+        if state is State.CORRUPTED:
+            try:
+                if self.client.is_paused():
+                    self.client.resume()
+                self.sync()
+                return None
+            except Exception as e:
+                why = f"pushing the model again after a deliberate corruption failed: {e}"
+        self.pool.discard(self.server_cfg)
+        return f"server {self.server.url} restarted for the next test: {why}"
+
+    def record(self, **metrics: Any) -> None:
+        self.metrics.update(metrics)
+        if self.on_record is not None:
+            self.on_record("metrics", metrics)
+
+
+def resolve_model_path(model: str) -> str:
+    """A zoo model's directory (built on first use), or the path / hub id as given."""
+    _, local = models.resolve_model(model)
+    return str(local) if local else model
+
+
+# ----------------------------------------------------------------------------- the seed flow
+
+@dataclasses.dataclass
+class FlowResult:
+    """One seed flow on a never-synced server."""
+
+    reference: Reference
+    before: parity.ParityReport      # on the dummy weights
+    after: parity.ParityReport       # after pause -> sync -> resume
+    sync: dict                       # the trainer's result
+    before_texts: list[str]
+    after_texts: list[str]
+
+
+def seed_flow(s: SyncSession, *, weights_dir: str | Path | None = None,
+              corrupt: str | None = None, pause_mode: str | None = None,
+              options: dict | None = None, on_step: OnStep | None = None,
+              max_tokens: int | None = None) -> FlowResult:
+    """reference -> before -> pause -> sync -> resume -> after. ``on_step(name, **facts)``
+    hears each step as it ends: reference, before, pause, sync, resume, after."""
+    say = on_step or (lambda name, **facts: None)
+    ref = s.reference(weights_dir, **({"max_tokens": max_tokens} if max_tokens else {}))
+    say("reference", reference=ref)
+    obs = s.observe(ref)
+    before = parity.compare(obs, ref, decode=s.decode)
+    say("before", report=before, texts=[o.text for o in obs])
+    s.client.pause(pause_mode) if pause_mode else s.client.pause()
+    say("pause", mode=pause_mode, paused=s.client.is_paused())
+    try:
+        result = s.sync(weights_dir, corrupt=corrupt, options=options, pause=False)
+        say("sync", result=result)
+    finally:
+        s.client.resume()
+        say("resume", paused=s.client.is_paused())
+    obs_after = s.observe(ref)
+    after = parity.compare(obs_after, ref, decode=s.decode)
+    say("after", report=after, texts=[o.text for o in obs_after])
+    return FlowResult(ref, before, after, result, [o.text for o in obs], [o.text for o in obs_after])

@@ -1,0 +1,161 @@
+"""The plugin's interface: every bad option value is one short usage error (exit 4) at
+configure time; the command line narrows markers, never widens them; the plugin is
+silent in a session that does not use it. pytester runs a whole pytest inside the test.
+
+Collection only: no server starts here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import facts, settings
+
+SAMPLE = """
+import pytest
+
+def test_plain(case):
+    pass
+
+@pytest.mark.models("llama-tied")
+def test_pinned_model(case):
+    pass
+
+@pytest.mark.dtypes("float32", "bfloat16")
+def test_pinned_dtypes(case):
+    pass
+"""
+
+
+@pytest.fixture
+def project(pytester, monkeypatch):
+    for opt in settings.OPTIONS:  # nothing from the calling environment
+        monkeypatch.delenv(opt.env, raising=False)
+        if opt.legacy_env:
+            monkeypatch.delenv(opt.legacy_env, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU probe: a CPU host
+    pytester.makepyfile(test_sample=SAMPLE)
+    return pytester
+
+
+BAD = [
+    (["--vllm-backend", "ipc-packd"],
+     "--vllm-backend: unknown backend 'ipc-packd'; known: shm, nccl-packed, nccl-unpacked, "
+     "ipc-packed, ipc-unpacked"),
+    (["--vllm-layout", "1gpu-colocted"],
+     "--vllm-layout: unknown layout '1gpu-colocted'; known: cpu, 1gpu-colocated, 2gpu-split, "
+     "2gpu-ipc-gpu1, 3gpu-tp2"),
+    (["--vllm-gpus", "abc"], "--vllm-gpus: expected a whole number, got 'abc'"),
+    (["--vllm-gpus", "-1"], "--vllm-gpus: must be at least 0, got '-1'"),
+    (["--vllm-dtype", "fp64"],
+     "--vllm-dtype: unknown dtype 'fp64'; known: float32 (fp32), bfloat16 (bf16)"),
+    (["--vllm-dtype", "float16"],
+     "--vllm-dtype: unknown dtype 'float16'; known: float32 (fp32), bfloat16 (bf16)"),
+    (["--vllm-model", "lama"],
+     "--vllm-model: unknown model 'lama': not a zoo model"),
+    (["--vllm-model", "/nonexistent/path"], "--vllm-model: '/nonexistent/path' is not a directory"),
+    (["--vllm-start-timeout", "abc"], "--vllm-start-timeout: expected a number of seconds, got 'abc'"),
+    (["--vllm-sync-timeout", "-5"], "--vllm-sync-timeout: must be greater than 0, got '-5'"),
+    (["--vllm-max-servers", "0"], "--vllm-max-servers: must be at least 1, got '0'"),
+    (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
+    (["--vllm-backend", "ipc-packed", "--vllm-layout", "cpu"],
+     "--vllm-backend ipc-packed cannot run on --vllm-layout cpu; ipc-packed runs on "
+     "1gpu-colocated, 2gpu-ipc-gpu1"),
+    (["--vllm-backend", "shm,ipc-packed", "--vllm-layout", "cpu"],
+     "--vllm-backend ipc-packed runs on none of the selected layouts (cpu); it runs on "
+     "1gpu-colocated, 2gpu-ipc-gpu1"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_value_is_one_usage_error(project, args, message):
+    r = project.runpytest("--collect-only", "-q", *args)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str()
+    assert f"ERROR: {message}" in err, err
+    assert "Traceback" not in err + r.stdout.str()
+    assert len([ln for ln in err.splitlines() if ln.strip()]) <= 2, err
+
+
+def test_bad_value_in_the_environment_names_its_source(project, monkeypatch):
+    monkeypatch.setenv("HARNESS_BACKEND", "bogus")
+    r = project.runpytest("--collect-only", "-q")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--vllm-backend (env HARNESS_BACKEND): unknown backend 'bogus'" in r.stderr.str()
+
+
+def test_legacy_environment_names_still_work_with_a_deprecation_warning(project, monkeypatch):
+    monkeypatch.setenv("VLLM_MODEL", "opt")
+    r = project.runpytest("--collect-only", "-q", "-k", "test_plain")
+    r.stdout.fnmatch_lines(["*test_plain*shm-cpu-fp32-opt*",
+                            "*VLLM_MODEL is deprecated*use HARNESS_MODEL*"])
+
+
+def test_legacy_names_never_reach_a_server():
+    from harness.server import ServerConfig, build_env
+
+    assert settings.legacy_env_names() == set(facts.HARNESS_LEGACY_ENV)
+    import os
+
+    os.environ["VLLM_MODEL"] = "opt"
+    try:
+        env = build_env(ServerConfig(model="m"))
+    finally:
+        del os.environ["VLLM_MODEL"]
+    assert "VLLM_MODEL" not in env and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_the_command_line_narrows_markers_and_never_widens_them(project):
+    r = project.runpytest("--collect-only", "-q", "--vllm-model", "opt", "--vllm-dtype", "bf16")
+    assert _collected(r) == {"test_plain[shm-cpu-bf16-opt]", "test_pinned_dtypes[shm-cpu-bf16-opt]"}
+    assert "deselected 1: pinned to models llama-tied, none of them selected" in r.stdout.str()
+
+
+def _collected(r) -> set[str]:
+    return {ln.split("::", 1)[1] for ln in r.stdout.lines if ln.startswith("test_sample.py::")}
+
+
+def test_without_a_choice_the_marker_decides(project):
+    r = project.runpytest("--collect-only", "-q")
+    assert _collected(r) == {"test_plain[shm-cpu-fp32-llama]",
+                             "test_pinned_model[shm-cpu-fp32-llama-tied]",
+                             "test_pinned_dtypes[shm-cpu-fp32-llama]",
+                             "test_pinned_dtypes[shm-cpu-bf16-llama]"}
+
+
+def test_gpu_cases_are_deselected_with_one_line_per_reason(project):
+    r = project.runpytest("--collect-only", "-q")
+    out = r.stdout.str()
+    # 3 tests x 4 cases per GPU layout (2 backends x dtypes/models of each test)
+    assert "deselected 12: layout 1gpu-colocated needs 1 GPU(s), 0 available" in out
+    assert out.count("needs") == 4 and "skipped" not in out.lower()
+
+
+def test_the_gpu_marker_selects_the_gpu_cases(project, monkeypatch):
+    r = project.runpytest("--collect-only", "-q", "-m", "gpu", "--vllm-gpus", "0")
+    assert r.ret == pytest.ExitCode.NO_TESTS_COLLECTED  # none on a CPU host: all deselected
+    monkeypatch.setattr(settings.Settings, "gpus", lambda self: 2)
+    r = project.runpytest("--collect-only", "-q", "-m", "gpu", "-k", "test_plain")
+    got = _collected(r)
+    assert "test_plain[ipc-packed-1gpu-colocated-fp32-llama]" in got
+    assert not [c for c in got if "shm-cpu" in c]
+
+
+def test_require_gpu_refuses_a_host_without_gpus(project):
+    r = project.runpytest("--collect-only", "-q", "--harness-require-gpu")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--harness-require-gpu: no GPU is visible to this run" in r.stderr.str()
+
+
+def test_a_project_that_does_not_use_the_harness_hears_nothing_of_it(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a GPU probe would be visible as a cost
+    pytester.makepyfile(test_other="def test_x():\n    assert 1\n")
+    calls = []
+    from harness import layouts
+
+    monkeypatch.setattr(layouts, "gpu_count", lambda: calls.append(1) or 0)
+    r = pytester.runpytest("-q")
+    assert r.ret == 0
+    out = r.stdout.str() + r.stderr.str()
+    assert "harness" not in out.lower() and "vllm" not in out.lower(), out
+    assert calls == []  # nothing probed
