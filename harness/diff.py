@@ -23,6 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import parity
+from .facts import UnknownDtype, canonical_dtype
+
 REGRESSION, WARN, INFO = "REGRESSION", "warn", "info"
 FAILING = ("failed", "error")
 PASSING = ("passed", "xpassed")
@@ -38,18 +41,21 @@ METRIC_KINDS = {
     "tokens_compared": "count", "greedy_prompts": "count", "sync_bytes": "count",
     "sync_tensors": "count",
 }
-_FALLBACK_TOL = {"float32": 1e-4, "bfloat16": 0.15, "float16": 0.05}
 
 
 def _tolerance(dtype: str | None) -> float | None:
+    """The dtype's logprob tolerance from ``harness.parity`` (the one table), or None
+    when parity has none for it: such a metric is then judged by the threshold only."""
     if not dtype:
         return None
     try:
-        from .parity import TOLERANCES
-
-        return TOLERANCES[dtype].max_abs_logprob
-    except (ImportError, KeyError):
-        return _FALLBACK_TOL.get(dtype)
+        dtype = canonical_dtype(dtype)
+    except UnknownDtype:
+        pass  # parity may still know it (float16)
+    try:
+        return parity.tolerance_for(dtype).max_abs_logprob
+    except KeyError:
+        return None
 
 
 def _num(v: Any) -> float | None:

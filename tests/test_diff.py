@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +218,45 @@ def test_cli_subcommand(tmp_path, capsys):
     assert cli.main(["diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert cli.main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
     assert "REGRESSED: 1" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- tolerances
+
+def _bf16(value):
+    r = _report()
+    r["tests"][0]["case"] = {**CASE, "dtype": "bfloat16"}
+    r["tests"][0]["metrics"]["max_abs_dlogprob"] = value
+    return r
+
+
+def test_bfloat16_tolerance_is_paritys(tmp_path, capsys):
+    assert _run(tmp_path, _bf16(0.1), _bf16(0.5)) == 0  # within 0.75
+    assert "within tolerance 0.75" in capsys.readouterr().out
+    assert _run(tmp_path, _bf16(0.5), _bf16(0.8)) == 1
+    assert "above the bfloat16 tolerance 0.75" in capsys.readouterr().out
+
+
+def test_tolerances_come_from_parity_only(tmp_path, capsys, monkeypatch):
+    """No table of its own: a tolerance parity changes, diff follows; a dtype parity has
+    no tolerance for is judged by the threshold, never by a number diff made up."""
+    from harness import parity
+
+    monkeypatch.setattr(parity, "tolerance_for", lambda dtype: parity.Tolerance(0.3, "test"))
+    assert _run(tmp_path, _bf16(0.2), _bf16(0.4)) == 1
+    assert "above the bfloat16 tolerance 0.3" in capsys.readouterr().out
+    monkeypatch.undo()
+
+    monkeypatch.delitem(parity.TOLERANCES, "bfloat16")
+    assert _run(tmp_path, _bf16(0.1), _bf16(0.5), "--json") == 0
+    (row,) = json.loads(capsys.readouterr().out)["metrics"]
+    assert (row["level"], row["why"]) == ("warn", "grew +400%")
+
+
+def test_importing_diff_pulls_in_no_test_or_inference_stack():
+    code = ("import sys, harness.diff; "
+            "print(sorted({'pytest', 'vllm', 'torch', 'transformers'} & set(sys.modules)))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
