@@ -1,17 +1,38 @@
 """``harness diff A.json B.json``: what changed between two runs (two --harness-report files).
 
-Sections: versions; test outcomes matched by node id (changed, new, removed);
-known issues; capabilities (routes, /pause modes and parameters, trainer API,
-backends); metrics that moved beyond a threshold. Each row carries a level:
+Sections: where and what ran (host, the backends and layouts that ran, versions);
+test outcomes matched by node id (changed, new, missing); coverage (backend/layout
+pairs that ran); known issues; capabilities (routes, /pause modes and parameters,
+trainer API, backends); metrics that moved beyond a threshold. Each row has a level:
 
-* ``REGRESSION`` - a test that passed in A fails (or errors) in B; a known issue
-  that newly applies in B; a route the harness uses, a /pause mode or a backend
-  that B lost; a logprob error that crossed its dtype's tolerance;
-* ``warn`` - worth a look, not a failure (a logprob error that grew by more than
-  ``--threshold-rel`` but stays within tolerance, greedy matches lost, ...);
-* ``info`` - everything else that changed (timings are always informational).
+* ``REGRESSION`` - a test that passed in A fails (or errors) in B; a test that ran in A
+  is missing from B; a backend/layout pair that ran in A did not run in B (every test of
+  it missing or skipped); a known issue that newly applies in B; a route the harness
+  calls, a /pause mode (or the deprecated flag that selects one) or a backend that B
+  lost; a logprob error that crossed its dtype's tolerance (``harness.parity``);
+* ``warn`` - worth a look, not a failure: a test that ran in A and is skipped (or was
+  interrupted) in B; a test that fails in B and did not fail in A otherwise (new, or
+  skipped in A); a test missing from B that did not run in A either; a logprob error
+  that grew by more than ``--threshold-rel`` within tolerance; fewer greedy matches,
+  more non-finite values; a changed default /pause mode;
+* ``info`` - everything else that changed; timings never regress.
 
-Exit code: 1 when there is at least one REGRESSION, 0 otherwise, 2 on bad input.
+``--allow-missing`` turns missing tests and pairs that no longer ran into ``info``
+(for comparing runs of different selections).
+
+Like with like: a report records its host (GPUs used, their names where recorded,
+the machine). Reports from unlike hosts are refused (exit 2): on a CPU host the GPU
+cases skip, and known issues apply per host, so the difference would be the host's,
+not vLLM's. ``--allow-unlike-hosts`` compares them anyway under a "NOT LIKE WITH LIKE"
+banner, and only the backend/layout pairs that ran on both hosts (plus the tests that
+have no backend); known issues that are specific to a host are left out.
+
+What ran is counted from the per-test records (an outcome other than skipped,
+deselected or interrupted), never from the header's selection.
+
+Exit code: 0 no regression, 1 at least one REGRESSION, 2 bad input (a file that cannot
+be read, is not JSON or not a harness report; reports from unlike hosts without
+``--allow-unlike-hosts``; a bad option).
 """
 
 from __future__ import annotations
@@ -20,12 +41,23 @@ import argparse
 import json
 import math
 import sys
+import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from . import parity
+from .facts import UnknownDtype, canonical_dtype
+from .pause_checks import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
+
 REGRESSION, WARN, INFO = "REGRESSION", "warn", "info"
+LEVELS = (REGRESSION, WARN, INFO)
 FAILING = ("failed", "error")
 PASSING = ("passed", "xpassed")
+NOT_RUN = ("skipped", "deselected", "interrupted")  # no result: the case did not run
+KNOWN_SCHEMA = 1  # the newest report schema this module was written against
+WIDTH = 120  # the text output fits this many columns
+SUMMARY_MAX = 20  # regressions listed again at the end of the text output
 
 # metric -> kind. "logprob": compared with the dtype tolerance; "higher_better" /
 # "lower_better": a move in the wrong direction beyond the threshold warns;
@@ -38,18 +70,25 @@ METRIC_KINDS = {
     "tokens_compared": "count", "greedy_prompts": "count", "sync_bytes": "count",
     "sync_tensors": "count",
 }
-_FALLBACK_TOL = {"float32": 1e-4, "bfloat16": 0.15, "float16": 0.05}
 
 
-def _tolerance(dtype: str | None) -> float | None:
+class BadInput(Exception):
+    """A report that cannot be compared: exit code 2, the message on stderr."""
+
+
+def tolerance(dtype: str | None) -> float | None:
+    """The dtype's logprob tolerance from ``harness.parity`` (the one table), or None
+    when parity has none for it: such a metric is then judged by the threshold only."""
     if not dtype:
         return None
     try:
-        from .parity import TOLERANCES
-
-        return TOLERANCES[dtype].max_abs_logprob
-    except (ImportError, KeyError):
-        return _FALLBACK_TOL.get(dtype)
+        dtype = canonical_dtype(dtype)
+    except UnknownDtype:
+        pass  # parity may still know it (float16)
+    try:
+        return parity.tolerance_for(dtype).max_abs_logprob
+    except KeyError:
+        return None
 
 
 def _num(v: Any) -> float | None:
@@ -79,13 +118,115 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
-        return ",".join(map(str, v)) or "(none)"
+        return ", ".join(map(str, v)) or "(none)"
     return str(v)
+
+
+def _ran(outcome: str | None) -> bool:
+    return outcome is not None and outcome not in NOT_RUN
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load(path: Path) -> dict:
+    """Read one report; ``BadInput`` names the file and what is wrong with it."""
+    def bad(why: str) -> BadInput:
+        return BadInput(f"cannot read {path}: {why}")
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise bad("no such file") from None
+    except IsADirectoryError:
+        raise bad("is a directory") from None
+    except PermissionError:
+        raise bad("permission denied") from None
+    except UnicodeDecodeError:
+        raise bad("not JSON (not UTF-8 text)") from None
+    except OSError as e:
+        raise bad(e.strerror or type(e).__name__) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad(f"not JSON (line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("header"), dict) \
+            or not isinstance(data.get("tests"), list):
+        raise bad("not a harness report (no 'header' or 'tests'; write one with "
+                  "pytest --harness-report PATH)")
+    schema = data.get("schema", KNOWN_SCHEMA)
+    if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
+        raise bad(f"not a harness report (schema {schema!r})")
+    for i, t in enumerate(data["tests"]):
+        if not isinstance(t, dict) or not isinstance(t.get("nodeid"), str) \
+                or not isinstance(t.get("outcome"), str):
+            raise bad(f"test record {i} has no 'nodeid' or 'outcome'")
+    return data
+
+
+# ----------------------------------------------------------------------------- host, what ran
+
+def host(report: dict) -> dict:
+    """What decides which cases a host can run: GPUs used (and their names, where the
+    report records them) and the machine."""
+    h = report.get("header") or {}
+    gpus = h.get("gpus") or {}
+    used = gpus.get("used")
+    names = gpus.get("names")
+    return {"gpus": used if isinstance(used, int) and not isinstance(used, bool) else None,
+            "gpu_names": sorted(map(str, names)) if isinstance(names, list) else None,
+            "machine": h.get("machine")}
+
+
+def describe_host(hst: dict) -> str:
+    n = hst["gpus"]
+    what = ("GPUs unknown" if n is None else "CPU only" if n == 0
+            else f"{n} GPU{'s' if n != 1 else ''}")
+    if n and hst["gpu_names"]:
+        kinds = Counter(hst["gpu_names"])
+        what += ": " + ", ".join(f"{c} x {k}" for k, c in kinds.items())
+    return what + (f" ({hst['machine']})" if hst["machine"] else "")
+
+
+def unlike(ha: dict, hb: dict) -> list[str]:
+    """How two hosts differ in a way that changes what runs; [] when alike (or unknown)."""
+    out = []
+    if ha["gpus"] is not None and hb["gpus"] is not None and ha["gpus"] != hb["gpus"]:
+        out.append("GPU count")
+    if ha["gpus"] and hb["gpus"] and ha["gpu_names"] and hb["gpu_names"] \
+            and ha["gpu_names"] != hb["gpu_names"]:
+        out.append("GPU kind")
+    if ha["machine"] and hb["machine"] and ha["machine"] != hb["machine"]:
+        out.append("machine")
+    return out
+
+
+def _pair(t: dict) -> tuple[str, str] | None:
+    case = t.get("case") or {}
+    if case.get("backend") and case.get("layout"):
+        return str(case["backend"]), str(case["layout"])
+    return None
+
+
+def ran_pairs(report: dict) -> Counter:
+    """(backend, layout) -> tests of it that ran, from the per-test records."""
+    return Counter(p for t in report.get("tests") or []
+                   if _ran(t["outcome"]) and (p := _pair(t)) is not None)
+
+
+def _ran_summary(pairs: Counter, index: int) -> str:
+    c: Counter = Counter()
+    for p, n in pairs.items():
+        c[p[index]] += n
+    return ", ".join(f"{k} ({n})" for k, n in sorted(c.items())) or "(none)"
+
+
+def _pair_name(p: tuple[str, str]) -> str:
+    return f"{p[0]} on {p[1]}"
 
 
 # ----------------------------------------------------------------------------- sections
 
-def _versions(a: dict, b: dict) -> list[dict]:
+def _versions(a: dict, b: dict, ran_a: Counter, ran_b: Counter) -> list[dict]:
     ha, hb = a.get("header") or {}, b.get("header") or {}
     rows = []
 
@@ -93,7 +234,12 @@ def _versions(a: dict, b: dict) -> list[dict]:
         v = h.get("vllm") or {}
         return f"{v.get('version')} ({v.get('dist')})" if v.get("version") else None
 
-    pairs = [("vllm", vllm(ha), vllm(hb))]
+    pairs = [("host", describe_host(host(a)), describe_host(host(b))),
+             ("backends ran", _ran_summary(ran_a, 0), _ran_summary(ran_b, 0)),
+             ("layouts ran", _ran_summary(ran_a, 1), _ran_summary(ran_b, 1)),
+             ("vllm", vllm(ha), vllm(hb))]
+    if {a.get("schema", KNOWN_SCHEMA), b.get("schema", KNOWN_SCHEMA)} != {KNOWN_SCHEMA}:
+        pairs.append(("report schema", a.get("schema"), b.get("schema")))
     if ha.get("complete") is False or hb.get("complete") is False:
         # written after each test: a run cut short by a time limit still has a report
         pairs.append(("complete run", ha.get("complete", True), hb.get("complete", True)))
@@ -103,10 +249,8 @@ def _versions(a: dict, b: dict) -> list[dict]:
                   (hb.get("git") or {}).get("commit")))
     pairs.append(("harness snapshot", (ha.get("env") or {}).get("HARNESS_SNAPSHOT"),
                   (hb.get("env") or {}).get("HARNESS_SNAPSHOT")))
-    pairs.append(("GPUs used", (ha.get("gpus") or {}).get("used"),
-                  (hb.get("gpus") or {}).get("used")))
     for key in ("layouts", "models", "dtypes", "backends"):
-        pairs.append((f"selection {key}", (ha.get("selection") or {}).get(key),
+        pairs.append((f"selected {key}", (ha.get("selection") or {}).get(key),
                       (hb.get("selection") or {}).get(key)))
     for what, va, vb in pairs:
         if va is None and vb is None:
@@ -115,9 +259,7 @@ def _versions(a: dict, b: dict) -> list[dict]:
     return rows
 
 
-def _tests(a: dict, b: dict) -> list[dict]:
-    ta = {t["nodeid"]: t for t in a.get("tests") or []}
-    tb = {t["nodeid"]: t for t in b.get("tests") or []}
+def _tests(ta: dict, tb: dict, allow_missing: bool) -> list[dict]:
     rows = []
     for nodeid in sorted(set(ta) | set(tb)):
         x, y = ta.get(nodeid), tb.get(nodeid)
@@ -129,20 +271,26 @@ def _tests(a: dict, b: dict) -> list[dict]:
             continue
         level, why = INFO, ""
         if y is None:
-            why = "removed in B"
+            if allow_missing:
+                why = "missing in B (allowed: --allow-missing)"
+            elif _ran(oa):
+                level, why = REGRESSION, "ran in A, missing in B"
+            else:
+                level, why = WARN, f"missing in B ({oa} in A)"
         elif x is None:
             why = "new in B"
             if ob in FAILING:
                 level, why = WARN, "new in B, and it fails"
+        elif y.get("xpass_strict") and kb:
+            # the test body passed: the known issue did not reproduce
+            why = f"known issue {kb} fixed in B: remove (or bound) the entry"
         elif oa in PASSING and ob in FAILING:
             level, why = REGRESSION, "passed in A, fails in B"
-        elif y.get("xpass_strict") and kb:
-            why = f"known issue {kb} fixed in B: remove (or bound) the entry"
         elif kb and kb != ka and ob == "xfailed":
             level, why = REGRESSION, f"known issue {kb} newly applies in B"
         elif ob in FAILING and oa not in FAILING:
             level, why = WARN, f"{oa} in A, fails in B"
-        elif oa in PASSING and ob in ("skipped", "interrupted"):
+        elif _ran(oa) and not _ran(ob):
             level, why = WARN, f"ran in A, {ob} in B"
         elif oa in FAILING and ob in PASSING:
             why = "fixed in B"
@@ -152,25 +300,49 @@ def _tests(a: dict, b: dict) -> list[dict]:
             why += (": " if why else "") + y["reason"].splitlines()[0][:160]
         rows.append({"nodeid": nodeid, "a": oa, "b": ob, "known_a": ka, "known_b": kb,
                      "level": level, "why": why})
-    return rows
+    return sorted(rows, key=lambda r: LEVELS.index(r["level"]))  # stable: by node id within
 
 
-def _known_issues(a: dict, b: dict) -> list[dict]:
-    def statuses(r):
-        ki = r.get("known_issues") or {}
-        return {e["id"]: e.get("status") for e in ki.get("entries") or []}
-
-    sa, sb = statuses(a), statuses(b)
+def _coverage(ran_a: Counter, ran_b: Counter, allow_missing: bool) -> list[dict]:
     rows = []
-    for iid in sorted(set(sa) | set(sb)):
-        x, y = sa.get(iid), sb.get(iid)
-        if x == y:
-            continue
-        level = INFO
-        if y == "known" and x != "known":
-            level = REGRESSION
-        rows.append({"id": iid, "a": x, "b": y, "level": level})
+    for p in sorted(set(ran_a) - set(ran_b)):
+        rows.append({"what": _pair_name(p), "a": ran_a[p], "b": 0,
+                     "level": INFO if allow_missing else REGRESSION,
+                     "why": "ran in A, not in B" + (" (allowed: --allow-missing)"
+                                                    if allow_missing else "")})
+    for p in sorted(set(ran_b) - set(ran_a)):
+        rows.append({"what": _pair_name(p), "a": 0, "b": ran_b[p], "level": INFO,
+                     "why": "new in B"})
     return rows
+
+
+def _known_issues(a: dict, b: dict, kept_a: set, kept_b: set, host_specific: bool) -> list[dict]:
+    def entries(r):
+        ki = r.get("known_issues") or {}
+        return {e["id"]: e for e in ki.get("entries") or [] if isinstance(e, dict) and "id" in e}
+
+    ea, eb = entries(a), entries(b)
+    rows = []
+    for iid in sorted(set(ea) | set(eb)):
+        x, y = ea.get(iid) or {}, eb.get(iid) or {}
+        sx, sy = x.get("status"), y.get("status")
+        if sx == sy:
+            continue
+        if host_specific:
+            # unlike hosts: an entry for one kind of host, or whose tests were left out
+            tests = set(x.get("tests_outcomes") or {}) | set(y.get("tests_outcomes") or {})
+            if x.get("hosts") or y.get("hosts") or not (tests & (kept_a | kept_b)):
+                continue
+        level = REGRESSION if sy == "known" and sx != "known" else INFO
+        rows.append({"id": iid, "a": sx, "b": sy, "level": level})
+    return rows
+
+
+def _pause_styles(p: dict) -> list[str]:
+    """The ways to call /pause a report saw: its modes and the deprecated flags."""
+    params = p.get("params") or []
+    return [f"mode={m}" for m in p.get("modes") or []] + \
+           [f"{f}=true" for f in PAUSE_LEGACY_FLAGS if f in params]
 
 
 def _capabilities(a: dict, b: dict) -> list[dict]:
@@ -190,18 +362,24 @@ def _capabilities(a: dict, b: dict) -> list[dict]:
                      "level": INFO, "why": ca.get("routes_error") or cb.get("routes_error") or ""})
     pa, pb = ca.get("pause") or {}, cb.get("pause") or {}
     if pa and pb:
-        for m in sorted(set(pa.get("modes") or []) - set(pb.get("modes") or [])):
-            rows.append({"what": f"/pause mode={m}", "change": "removed", "level": REGRESSION,
-                         "why": "pause modes are part of the tested contract"})
-        for m in sorted(set(pb.get("modes") or []) - set(pa.get("modes") or [])):
-            rows.append({"what": f"/pause mode={m}", "change": "added", "level": INFO, "why": ""})
-        for p in sorted(set(pa.get("params") or []) - set(pb.get("params") or [])):
+        sa, sb = _pause_styles(pa), _pause_styles(pb)
+        for s in [s for s in sa if s not in sb]:
+            rows.append({"what": f"/pause {s}", "change": "removed", "level": REGRESSION,
+                         "why": "a /pause mode the tests call" if s.startswith("mode=") else
+                                "the deprecated flag for a /pause mode: clients sending it break"})
+        for s in [s for s in sb if s not in sa]:
+            rows.append({"what": f"/pause {s}", "change": "added", "level": INFO, "why": ""})
+        flags = set(PAUSE_LEGACY_FLAGS)  # reported above, as modes
+        for p in sorted(set(pa.get("params") or []) - set(pb.get("params") or []) - flags):
             rows.append({"what": f"/pause ?{p}", "change": "removed", "level": INFO, "why": ""})
-        for p in sorted(set(pb.get("params") or []) - set(pa.get("params") or [])):
+        for p in sorted(set(pb.get("params") or []) - set(pa.get("params") or []) - flags):
             rows.append({"what": f"/pause ?{p}", "change": "added", "level": INFO, "why": ""})
         if pa.get("default") != pb.get("default"):
             rows.append({"what": "/pause default mode", "change": f"{pa.get('default')} -> "
                          f"{pb.get('default')}", "level": WARN, "why": ""})
+    elif bool(pa) != bool(pb):
+        rows.append({"what": "/pause modes", "change": f"captured in {'A' if pa else 'B'} only",
+                     "level": INFO, "why": "no vLLM server answered /openapi.json in the other"})
     ta, tb = ca.get("trainer_api") or {}, cb.get("trainer_api") or {}
     if "error" not in ta and "error" not in tb:
         for key in sorted(set(ta) | set(tb)):
@@ -226,16 +404,14 @@ def _capabilities(a: dict, b: dict) -> list[dict]:
         lost = x is True and y is False
         rows.append({"what": f"backend {engine} loadable", "change": f"{_fmt(x)} -> {_fmt(y)}",
                      "level": REGRESSION if lost else INFO,
-                     "why": ((bb.get(engine) or {}).get("reason") or "")[:200] if lost else
-                     ((bb.get(engine) or {}).get("reason") or "")[:200]})
+                     "why": ((bb.get(engine) or {}).get("reason") or "")[:200]})
     return rows
 
 
-def _metrics(a: dict, b: dict, threshold_rel: float) -> list[dict]:
-    ta = {t["nodeid"]: t for t in a.get("tests") or []}
+def _metrics(ta: dict, tb: dict, threshold_rel: float) -> list[dict]:
     rows = []
-    for t in b.get("tests") or []:
-        x = ta.get(t["nodeid"])
+    for nodeid, t in tb.items():
+        x = ta.get(nodeid)
         if not x:
             continue
         ma, mb = x.get("metrics") or {}, t.get("metrics") or {}
@@ -250,7 +426,7 @@ def _metrics(a: dict, b: dict, threshold_rel: float) -> list[dict]:
             rel = _rel(va, vb)
             level, why = None, ""
             if kind == "logprob":
-                tol = _tolerance(dtype)
+                tol = tolerance(dtype)
                 if tol is not None and vb > tol >= va:
                     level, why = REGRESSION, f"above the {dtype} tolerance {tol:g}"
                 elif tol is not None and vb > tol:
@@ -269,41 +445,81 @@ def _metrics(a: dict, b: dict, threshold_rel: float) -> list[dict]:
             elif abs(rel) > threshold_rel:
                 level, why = INFO, f"{rel:+.0%}" + (" (informational)" if kind == "time" else "")
             if level:
-                rows.append({"nodeid": t["nodeid"], "metric": key, "a": va, "b": vb,
+                rows.append({"nodeid": nodeid, "metric": key, "a": va, "b": vb,
                              "rel": rel, "level": level, "why": why})
     return rows
 
 
-def compare(a: dict, b: dict, *, threshold_rel: float = 0.5) -> dict:
+def _side(r: dict) -> dict:
+    h = r.get("header") or {}
+    counts = Counter(t["outcome"] for t in r.get("tests") or [])
+    return {"vllm": h.get("vllm"), "start_time": h.get("start_time"), "host": host(r),
+            "schema": r.get("schema"), "summary": {"total": sum(counts.values()), **counts}}
+
+
+def compare(a: dict, b: dict, *, threshold_rel: float = 0.5, allow_missing: bool = False,
+            allow_unlike_hosts: bool = False) -> dict:
+    """Compare report B with baseline A. Raises ``BadInput`` for unlike hosts unless
+    ``allow_unlike_hosts``; then only the backend/layout pairs both ran are compared."""
+    ha, hb = host(a), host(b)
+    differs = unlike(ha, hb)
+    if differs and not allow_unlike_hosts:
+        raise BadInput(f"not like with like: A ran on {describe_host(ha)}, B on "
+                       f"{describe_host(hb)}; --allow-unlike-hosts compares only the cases "
+                       "both ran")
+    ran_a, ran_b = ran_pairs(a), ran_pairs(b)
+    ta = {t["nodeid"]: t for t in a.get("tests") or []}
+    tb = {t["nodeid"]: t for t in b.get("tests") or []}
+    left_out = None
+    if differs:
+        common = set(ran_a) & set(ran_b)
+
+        def keep(t):
+            p = _pair(t)
+            return p is None or p in common
+
+        out_a = sorted(n for n, t in ta.items() if not keep(t))
+        out_b = sorted(n for n, t in tb.items() if not keep(t))
+        ta = {n: t for n, t in ta.items() if keep(t)}
+        tb = {n: t for n, t in tb.items() if keep(t)}
+        left_out = {"differs": differs, "pairs_compared": [_pair_name(p) for p in sorted(common)],
+                    "pairs_a_only": [_pair_name(p) for p in sorted(set(ran_a) - common)],
+                    "pairs_b_only": [_pair_name(p) for p in sorted(set(ran_b) - common)],
+                    "tests_a": len(out_a), "tests_b": len(out_b)}
+        cov_a = Counter({p: n for p, n in ran_a.items() if p in common})
+        cov_b = Counter({p: n for p, n in ran_b.items() if p in common})
+    else:
+        cov_a, cov_b = ran_a, ran_b
     out = {
-        "a": {"vllm": (a.get("header") or {}).get("vllm"),
-              "start_time": (a.get("header") or {}).get("start_time"),
-              "summary": {k: v for k, v in (a.get("summary") or {}).items()
-                          if isinstance(v, int)}},
-        "b": {"vllm": (b.get("header") or {}).get("vllm"),
-              "start_time": (b.get("header") or {}).get("start_time"),
-              "summary": {k: v for k, v in (b.get("summary") or {}).items()
-                          if isinstance(v, int)}},
+        "a": _side(a), "b": _side(b),
         "threshold_rel": threshold_rel,
-        "versions": _versions(a, b),
-        "tests": _tests(a, b),
+        "allow_missing": allow_missing,
+        "unlike_hosts": left_out,
+        "versions": _versions(a, b, ran_a, ran_b),
+        "tests": _tests(ta, tb, allow_missing),
         "unchanged_tests": 0,
-        "known_issues": _known_issues(a, b),
+        "coverage": _coverage(cov_a, cov_b, allow_missing),
+        "known_issues": _known_issues(a, b, set(ta), set(tb), bool(differs)),
         "capabilities": _capabilities(a, b),
-        "metrics": _metrics(a, b, threshold_rel),
+        "metrics": _metrics(ta, tb, threshold_rel),
     }
-    both = {t["nodeid"] for t in a.get("tests") or []} & {t["nodeid"] for t in b.get("tests") or []}
-    out["unchanged_tests"] = len(both) - sum(1 for r in out["tests"] if r["a"] and r["b"])
+    out["unchanged_tests"] = len(set(ta) & set(tb)) - sum(1 for r in out["tests"]
+                                                          if r["a"] and r["b"])
     regressions = []
     for r in out["tests"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"test {r['nodeid']}: {r['a']} -> {r['b']} ({r['why']})")
+            regressions.append(f"test {r['nodeid']}: {_fmt(r['a'])} -> {r['b'] or '(missing)'} "
+                               f"({r['why']})")
+    for r in out["coverage"]:
+        if r["level"] == REGRESSION:
+            regressions.append(f"{r['what']}: {r['why']} ({_count(r['a'], 'test')} in A)")
     for r in out["known_issues"]:
         if r["level"] == REGRESSION:
             regressions.append(f"known issue {r['id']}: {r['a']} -> {r['b']}")
     for r in out["capabilities"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"{r['what']} {r['change']}" + (f" ({r['why']})" if r['why'] else ""))
+            regressions.append(f"{r['what']} {r['change']}"
+                               + (f" ({r['why']})" if r['why'] else ""))
     for r in out["metrics"]:
         if r["level"] == REGRESSION:
             regressions.append(f"{r['nodeid']} {r['metric']} {_fmt(r['a'])} -> {_fmt(r['b'])} "
@@ -314,92 +530,198 @@ def compare(a: dict, b: dict, *, threshold_rel: float = 0.5) -> dict:
 
 # ----------------------------------------------------------------------------- text
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
-    widths[-1] = len(headers[-1])  # the last column is free text
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+_BREAK_AFTER = " :[/,-=."
+
+
+def _wrap_cell(text: str, width: int, max_lines: int = 6) -> list[str]:
+    """Lines of at most ``width``: break after a space or a separator of a test id
+    (``::``, ``[``, ``-``, ``,``...) where one is near the end, else mid-word."""
+    text = " ".join(text.split())
+    lines: list[str] = []
+    while len(text) > width:
+        cut = max(text.rfind(c, 0, width) for c in _BREAK_AFTER) + 1
+        if cut < width * 0.4:  # no separator near the end: a hard break
+            cut = width
+        lines.append(text[:cut].rstrip())
+        text = text[cut:].lstrip()
+    lines.append(text)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = lines[-1][:max(width - 3, 0)] + "..."
+    return lines
+
+
+def _table(headers: list[str], rows: list[list[str]], flex: tuple[int, ...] = (),
+           width: int = WIDTH) -> list[str]:
+    """A table in ``width`` columns. The ``flex`` columns share what the others leave and
+    their cells wrap onto more lines; the first of them names the row, so it keeps its
+    width where it can, and the others share the rest equally (or keep theirs)."""
+    n = len(headers)
+    natural = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    widths = list(natural)
+    room = width - 2 * (n - 1) - sum(w for i, w in enumerate(natural) if i not in flex)
+    if flex and sum(natural[i] for i in flex) > room:
+        first, todo = flex[0], sorted(flex[1:], key=lambda i: natural[i])
+        widths[first] = max(min(natural[first], room - 16 * len(todo)), 8)
+        room -= widths[first]
+        while todo:  # water-filling: a narrow column keeps its width, the rest share
+            i = todo.pop(0)
+            widths[i] = max(min(natural[i], room // (len(todo) + 1)) if todo else room, 8)
+            room -= widths[i]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    for r in rows:
+        cells = [_wrap_cell(c, widths[i]) if i in flex else [c] for i, c in enumerate(r)]
+        for k in range(max(len(c) for c in cells)):
+            out.append("  ".join((c[k] if k < len(c) else "").ljust(w)
+                                 for c, w in zip(cells, widths)).rstrip())
+    return out
+
+
+def _record(level: str, head: str, detail: str) -> list[str]:
+    """A row too wide for a table: the level and the test id (wrapped at its separators),
+    then the detail on its own lines, indented."""
+    lines = _wrap_cell(head, WIDTH - 12, max_lines=99)
+    out = [f"{level:<10}  {lines[0]}"] + [" " * 12 + x for x in lines[1:]]
+    return out + [" " * 14 + x for x in _wrap_cell(detail, WIDTH - 14)]
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _para(text: str, indent: str = "", first: str | None = None) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent if first is None else first,
+                         subsequent_indent=indent, break_on_hyphens=False) or [""]
 
 
 def render(d: dict, a_name: str = "A", b_name: str = "B") -> str:
-    va, vb = d["a"]["vllm"] or {}, d["b"]["vllm"] or {}
-    out = [f"harness diff  A = {a_name} (vLLM {va.get('version')}, {d['a']['start_time']})",
-           f"              B = {b_name} (vLLM {vb.get('version')}, {d['b']['start_time']})", ""]
+    out: list[str] = []
+    for side, name in (("a", a_name), ("b", b_name)):
+        v = d[side]["vllm"] or {}
+        label = "harness diff  A = " if side == "a" else "              B = "
+        out += _para(f"{name} (vLLM {v.get('version')}, {d[side]['start_time']})",
+                     " " * 18, first=label)
+    u = d.get("unlike_hosts")
+    if u:
+        out.append("")
+        out += _para(f"NOT LIKE WITH LIKE: A ran on {describe_host(d['a']['host'])}, B on "
+                     f"{describe_host(d['b']['host'])} (differ: {', '.join(u['differs'])}). "
+                     "Compared only the backend/layout pairs both ran ("
+                     f"{', '.join(u['pairs_compared']) or 'none'}) and the tests without a "
+                     "backend. Left out: pairs only A ran ("
+                     f"{', '.join(u['pairs_a_only']) or 'none'}), pairs only B ran ("
+                     f"{', '.join(u['pairs_b_only']) or 'none'}); "
+                     f"{_count(u['tests_a'], 'test')} of A and {u['tests_b']} of B; the known "
+                     "issues of one kind of host. Differences below may still be the hosts'.",
+                     "!! ", first="!! ")
+    out.append("")
     sa, sb = d["a"]["summary"], d["b"]["summary"]
     keys = [k for k in ("total", "passed", "failed", "error", "skipped", "xfailed", "xpassed",
-                        "interrupted")
-            if k in sa or k in sb]
-    out.append("Outcomes   " + "  ".join(f"{k} {sa.get(k, 0)} -> {sb.get(k, 0)}" for k in keys))
+                        "interrupted") if k in sa or k in sb]
+    out += _para("  ".join(f"{k} {sa.get(k, 0)} -> {sb.get(k, 0)}" for k in keys),
+                 " " * 11, first="Outcomes   ")
     out.append("")
-    out.append("== Versions")
+    out.append("== Where and what ran (what ran: per-test records, not the selection)")
     out += _table(["", "A", "B", ""], [[r["what"], _fmt(r["a"]), _fmt(r["b"]),
                                         "changed" if r["changed"] else ""]
-                                       for r in d["versions"]])
+                                       for r in d["versions"]], flex=(0, 1, 2))
     out.append("")
-    out.append(f"== Tests ({len(d['tests'])} changed, new or removed; "
+    out.append(f"== Tests ({len(d['tests'])} changed, new or missing; "
                f"{d['unchanged_tests']} unchanged)")
-    if d["tests"]:
-        out += _table(["level", "test", "A", "B", "why"],
-                      [[r["level"], r["nodeid"], _fmt(r["a"]) + (f" [{r['known_a']}]" if r["known_a"] else ""),
-                        _fmt(r["b"]) + (f" [{r['known_b']}]" if r["known_b"] else ""), r["why"]]
-                       for r in d["tests"]])
+    for r in d["tests"]:
+        known = ", ".join(f"known issue in {s.upper()}: {r['known_' + s]}" for s in "ab"
+                          if r["known_" + s])
+        out += _record(r["level"], r["nodeid"],
+                       f"{r['a'] or '(not in A)'} -> {r['b'] or '(missing)'}"
+                       + (f" [{known}]" if known else "")
+                       + (f": {r['why']}" if r["why"] else ""))
+    out.append("")
+    out.append("== Coverage (backend/layout pairs that ran)")
+    if d["coverage"]:
+        out += _table(["level", "pair", "A", "B", "why"],
+                      [[r["level"], r["what"], str(r["a"]), str(r["b"]), r["why"]]
+                       for r in d["coverage"]], flex=(1, 4))
+    elif u:
+        out.append("(only the pairs both hosts ran are compared: "
+                   f"{', '.join(u['pairs_compared']) or 'none'})")
+    else:
+        out.append("(the same pairs ran)")
     out.append("")
     out.append("== Known issues")
     if d["known_issues"]:
         out += _table(["level", "id", "A", "B"],
-                      [[r["level"], r["id"], _fmt(r["a"]), _fmt(r["b"])] for r in d["known_issues"]])
+                      [[r["level"], r["id"], _fmt(r["a"]), _fmt(r["b"])]
+                       for r in d["known_issues"]],
+                      flex=(1, 2, 3))
     else:
         out.append("(no change)")
     out.append("")
     out.append("== Capabilities")
     if d["capabilities"]:
         out += _table(["level", "what", "change", "why"],
-                      [[r["level"], r["what"], r["change"], r["why"]] for r in d["capabilities"]])
+                      [[r["level"], r["what"], r["change"], r["why"]] for r in d["capabilities"]],
+                      flex=(1, 2, 3))
     else:
         out.append("(no change)")
     out.append("")
     out.append(f"== Metrics (moved beyond {d['threshold_rel']:.0%} relative, or across a "
                "tolerance; timings are informational)")
-    if d["metrics"]:
-        out += _table(["level", "test", "metric", "A", "B", "why"],
-                      [[r["level"], r["nodeid"], r["metric"], _fmt(r["a"]), _fmt(r["b"]), r["why"]]
-                       for r in d["metrics"]])
-    else:
+    for r in d["metrics"]:
+        out += _record(r["level"], r["nodeid"],
+                       f"{r['metric']} {_fmt(r['a'])} -> {_fmt(r['b'])}: {r['why']}")
+    if not d["metrics"]:
         out.append("(no change beyond the threshold)")
     out.append("")
     if d["regressions"]:
         out.append(f"REGRESSED: {len(d['regressions'])}")
-        out += [f"  - {r}" for r in d["regressions"]]
+        for r in d["regressions"][:SUMMARY_MAX]:
+            out += _para(r, "    ", first="  - ")
+        if len(d["regressions"]) > SUMMARY_MAX:
+            out.append(f"  ... and {len(d['regressions']) - SUMMARY_MAX} more, listed above "
+                       "(--json lists them all)")
     else:
         out.append("No regression.")
+    if u:
+        out.append("(NOT LIKE WITH LIKE: see the note at the top)")
     return "\n".join(out) + "\n"
 
 
 # ----------------------------------------------------------------------------- cli
 
+EXIT_CODES = "exit code: 0 no regression, 1 regression, 2 bad input (unreadable file, unlike hosts)"
+
+
+def _threshold(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EXIT_CODES
     p.add_argument("a", type=Path, help="the baseline report (--harness-report of run A)")
     p.add_argument("b", type=Path, help="the report to compare with it (run B)")
-    p.add_argument("--threshold-rel", type=float, default=0.5,
+    p.add_argument("--threshold-rel", type=_threshold, default=0.5,
                    help="relative change of a metric worth showing (default 0.5 = 50%%)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="a test missing from B, or a backend/layout that ran in A and not in "
+                        "B, is info, not a regression (runs of different selections)")
+    p.add_argument("--allow-unlike-hosts", action="store_true",
+                   help="compare reports from unlike hosts (GPU count or kind, machine) "
+                        "instead of refusing: only the backend/layout pairs both ran")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
-
-
-def _load(path: Path) -> dict:
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or "tests" not in data or "header" not in data:
-        raise ValueError(f"{path} is not a harness report (no 'header'/'tests')")
-    return data
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        a, b = _load(args.a), _load(args.b)
-    except (OSError, ValueError) as e:
+        a, b = load(args.a), load(args.b)
+        d = compare(a, b, threshold_rel=args.threshold_rel, allow_missing=args.allow_missing,
+                    allow_unlike_hosts=args.allow_unlike_hosts)
+    except BadInput as e:
         print(f"harness diff: {e}", file=sys.stderr)
         return 2
-    d = compare(a, b, threshold_rel=args.threshold_rel)
     if args.json:
         print(json.dumps(d, indent=1, default=str))
     else:
@@ -410,7 +732,11 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="harness diff", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # argparse: 2 for a usage error, 0 for --help
+        return int(e.code or 0)
+    return run(args)
 
 
 if __name__ == "__main__":

