@@ -91,3 +91,17 @@ def gpu_count() -> int:
         return int(out.stdout.strip() or 0)
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return 0
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_names() -> list[str]:
+    """The visible GPUs' product names (``nvidia-smi -L``), for reports; [] without."""
+    if gpu_count() == 0 or not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    names = [line.split(":", 1)[1].split("(UUID")[0].strip()
+             for line in out.stdout.splitlines() if line.startswith("GPU ")]
+    return names[:gpu_count()]
