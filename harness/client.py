@@ -46,15 +46,19 @@ class StreamChunk:
 
 
 class ServerClient:
-    """Talks to ``url``. ``context`` returns text appended to errors (the log tail)."""
+    """Talks to ``url``. ``context`` returns text appended to errors (the log tail).
+    ``api_key``: sent with every request as ``Authorization: Bearer <key>``."""
 
     def __init__(self, url: str, *, timeout: float = 300.0, model: str | None = None,
-                 context: Callable[[], str] | None = None):
+                 context: Callable[[], str] | None = None, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._model = model
         self._context = context or (lambda: "")
         self.session = requests.Session()
+        self.api_key = api_key
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, route: str, *, json_body: Any = None, params: dict | None = None,
@@ -106,7 +110,7 @@ class ServerClient:
     def clone(self) -> "ServerClient":
         """A client for the same server with its own HTTP session (one per thread)."""
         return ServerClient(self.url, timeout=self.timeout, model=self._model,
-                            context=self._context)
+                            context=self._context, api_key=self.api_key)
 
     # ------------------------------------------------------------------ pause / resume
     def pause(self, mode: str | None = None, timeout: float | None = None, **params: Any) -> Any:

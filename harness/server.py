@@ -5,6 +5,14 @@ port, writes its own log file, waits for readiness with a deadline while
 watching for the process dying, and stops the whole process tree (API server,
 engine core, workers) leaves-first, then checks that nothing is left.
 ``VLLMServer.attach(url)`` gives the same interface for a server someone else runs.
+
+Exposure is kept to what a backend needs. The server listens on 127.0.0.1 (an
+``--host`` in ``extra_args`` overrides it). ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
+which makes ``/update_weights`` unpickle request data, is set only for the backends
+whose data plane needs it (CUDA IPC handles travel pickled over HTTP), and the log
+and every description of such a server say so. An ``api_key`` reaches vLLM as
+``VLLM_API_KEY`` (not on the command line, where ``ps`` would show it). Every process
+carries the run's owner tag (``harness.reaper``).
 """
 
 from __future__ import annotations
@@ -22,9 +30,13 @@ from typing import Any
 
 import requests
 
+from . import reaper
 from .facts import WaitTimeout, free_port, legacy_env_free, port_in_use, wait_until
 
 DEFAULT_START_TIMEOUT = 600.0
+# Engines whose data plane is pickled over HTTP: VLLM_ALLOW_INSECURE_SERIALIZATION=1 is
+# set for them and for no other (it lets /update_weights unpickle what a client posts).
+INSECURE_SERIALIZATION_BACKENDS = frozenset({"ipc"})
 
 
 class ServerError(RuntimeError):
@@ -48,11 +60,18 @@ class ServerConfig:
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed
+
+    @property
+    def insecure_serialization(self) -> bool:
+        return self.backend in INSECURE_SERIALIZATION_BACKENDS
 
     def describe(self) -> str:
         where = "cpu" if not self.device_ids else "gpu" + ",".join(map(str, self.device_ids))
         return (f"{Path(self.model).name} {self.dtype} backend={self.backend} "
-                f"load={self.load_format} {where} tp={self.tensor_parallel_size}")
+                f"load={self.load_format} {where} tp={self.tensor_parallel_size}"
+                + (" api-key" if self.api_key else "")
+                + (" INSECURE-SERIALIZATION" if self.insecure_serialization else ""))
 
 
 def _vllm_cli_usable() -> bool:
@@ -98,9 +117,15 @@ def build_env(cfg: ServerConfig) -> dict[str, str]:
     env = legacy_env_free(os.environ)
     env.update({
         "VLLM_SERVER_DEV_MODE": "1",               # exposes the weight-transfer routes
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # IPC handles arrive pickled over HTTP
         "PYTHONUNBUFFERED": "1",
     })
+    # Only what this server needs, whatever the calling environment holds.
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    if cfg.insecure_serialization:
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles arrive pickled over HTTP
+    env.pop("VLLM_API_KEY", None)
+    if cfg.api_key:
+        env["VLLM_API_KEY"] = cfg.api_key
     if cfg.device_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.device_ids))
     else:
@@ -160,10 +185,15 @@ class VLLMServer:
             argv = build_command(self.cfg, port, self.python)
             with open(self.log_path, "w") as log:
                 log.write(f"# {' '.join(argv)}\n# {self.cfg.describe()}\n")
+                if self.cfg.insecure_serialization:
+                    log.write(f"# VLLM_ALLOW_INSECURE_SERIALIZATION=1: the {self.cfg.backend} "
+                              "backend posts pickled handles; /update_weights unpickles "
+                              "request data (docs/faults.md)\n")
                 log.flush()
                 t0 = time.monotonic()
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=build_env(self.cfg),
+                                             stdin=subprocess.DEVNULL,
+                                             env=reaper.tagged(build_env(self.cfg)),
                                              start_new_session=True)
             try:
                 self._wait_ready(t0)
@@ -226,8 +256,20 @@ class VLLMServer:
             return f.read(limit).decode("utf-8", "replace")
 
     def describe_failure(self, lines: int = 60) -> str:
-        return (f"server: {self.url} ({self.cfg.describe()}), vLLM {self.version or 'unknown'}\n"
+        code = self.exit_code()
+        died = "" if code is None else f"the server process has exited (code {code})\n"
+        return (f"{died}server: {self.url} ({self.cfg.describe()}), vLLM "
+                f"{self.version or 'unknown'}\n"
                 f"log: {self.log_path}\n--- last {lines} log lines ---\n{self.log_tail(lines)}")
+
+    def exit_code(self) -> int | None:
+        """The API server's exit status once it has exited by itself; None while it
+        runs (or when the harness stopped it, or for an attached server)."""
+        return None if self._attached or self.proc is None else self.proc.poll()
+
+    def pids(self) -> list[int]:
+        """The process tree's ids (API server, engine core, workers); [] if attached."""
+        return [p.pid for p in self._tree()]
 
     def alive(self) -> bool:
         if self._attached:
@@ -247,7 +289,16 @@ class VLLMServer:
             root = psutil.Process(self.proc.pid)
             return [root] + root.children(recursive=True)
         except psutil.NoSuchProcess:
-            return []
+            # The API server is gone (it died); its engine core and workers, now
+            # orphans, are still in its process group.
+            group = []
+            for p in psutil.process_iter():
+                try:
+                    if os.getpgid(p.pid) == self.proc.pid:
+                        group.append(p)
+                except (ProcessLookupError, PermissionError, psutil.Error):
+                    pass
+            return group
 
     def stop(self, timeout: float = 30.0) -> None:
         """TERM the process group, wait, KILL what is left, then verify nothing is."""

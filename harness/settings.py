@@ -114,6 +114,7 @@ class Option:
     default: Any
     parse: Callable[[str, str], Any]
     multiple: bool = False
+    secret: bool = False  # never shown: reports and headers say only whether it is set
 
     @property
     def flag(self) -> str:
@@ -126,8 +127,10 @@ class Option:
 
     @property
     def legacy_env(self) -> str | None:
+        """The first release's name, for the options it had (``VLLM_MODEL``); options
+        added since have none (``VLLM_API_KEY`` is vLLM's own variable, not ours)."""
         old = self.name.upper()
-        return old if old != self.env else None
+        return old if old != self.env and old in facts.HARNESS_LEGACY_ENV else None
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -152,6 +155,9 @@ OPTIONS: tuple[Option, ...] = (
            "(default: 2 on a CPU host, 8 with GPUs)", None, lambda f, v: _count(f, v, 1)),
     Option("vllm_attention_backend", "attention backend for GPU servers (default: "
            "FLEX_ATTENTION in float32, which FlashAttention 3 refuses)", None, _text),
+    Option("vllm_api_key", "API key of the servers: started with it (as VLLM_API_KEY) and "
+           "sent by every client of the harness, trainers included, as 'Authorization: "
+           "Bearer <key>'", None, _text, secret=True),
     Option("harness_report", "write the run's machine-readable JSON report to this path",
            None, _text),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
@@ -187,6 +193,7 @@ class Settings:
     vllm_sync_timeout: float = 600.0
     vllm_max_servers: int | None = None
     vllm_attention_backend: str | None = None
+    vllm_api_key: str | None = dataclasses.field(default=None, repr=False)
     harness_report: str | None = None
     harness_require_gpu: bool = False
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
@@ -203,7 +210,9 @@ class Settings:
         return 8 if self.gpus() > 0 else 2
 
     def as_dict(self) -> dict[str, Any]:
-        return {o.name: getattr(self, o.name) for o in OPTIONS}
+        """Every option's value; a secret one only as whether it is set."""
+        return {o.name: ("(set)" if getattr(self, o.name) else None) if o.secret
+                else getattr(self, o.name) for o in OPTIONS}
 
 
 def _split(values: list[Any]) -> list[str]:
