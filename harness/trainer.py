@@ -12,6 +12,12 @@ Every command is bounded by a timeout. On a timeout the child is asked to dump i
 stacks (SIGUSR1, faulthandler) into its log and is killed; any failure kills it too
 (its group is in an unknown state), and the error carries the child's log tail and
 the server's. The next ``sync()`` starts a new child, which opens a new group.
+
+The child carries the run's owner tag (``harness.reaper``) and a scratch directory of
+its own (the shm backend's buckets), which the parent removes when the child is gone,
+however it went. The server's API key reaches it through its environment, never its
+command line. Besides the deliberate corruptions of the tensors (``corrupt``), a sync
+can lie about them (``lie``): the update info then disagrees with what is sent.
 """
 
 from __future__ import annotations
@@ -29,7 +35,15 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan")
+CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan", "narrow")
+# Metadata that disagrees with the tensors sent (the tensors themselves are right):
+# names (the first tensor announced under a name the model lacks), shapes (its first
+# dimension announced one larger), dtypes (announced as the other float dtype), count
+# (one shape fewer than names), gpu (CUDA IPC handles keyed by a GPU that is not there).
+LIES = ("names", "shapes", "dtypes", "count", "gpu")
+FAKE_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
+API_KEY_ENV = "HARNESS_TRAINER_API_KEY"
+SCRATCH_ENV = "HARNESS_TRAINER_SCRATCH"
 
 
 class TrainerError(RuntimeError):
@@ -77,6 +91,12 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         return [(n, t * 1.01 if n == pick else t) for n, t in weights], f"scaled {pick} by 1.01"
     if kind == "nan":  # what a diverged training step pushes
         return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
+    if kind == "narrow":  # a shape the model does not have; the update info agrees with it
+        t = dict(weights)[pick]
+        if t.ndim != 2 or t.shape[1] < 2:
+            raise ValueError(f"cannot narrow {pick} of shape {list(t.shape)}")
+        return ([(n, t[:, :-1].contiguous() if n == pick else x) for n, x in weights],
+                f"sent {pick} as {[t.shape[0], t.shape[1] - 1]} (the model's is {list(t.shape)})")
     # swap: ``pick`` trades contents with another tensor of its shape
     lookup = dict(weights)
     same = [n for n in names if n != pick and tuple(lookup[n].shape) == tuple(lookup[pick].shape)]
@@ -92,6 +112,69 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         pick, same = pair[0], [pair[1]]
     a, b = pick, same[0]
     return [(b if n == a else a if n == b else n, lookup[n]) for n in names], f"swapped {a} and {b}"
+
+
+# ----------------------------------------------------------------------------- lies
+
+def lie_about(update_info: dict, lie: str) -> tuple[dict, str]:
+    """A copy of ``update_info`` that disagrees with the tensors it describes."""
+    if lie not in LIES:
+        raise ValueError(f"unknown lie {lie!r}; known: {', '.join(LIES)}")
+    info = dict(update_info)
+    names, shapes = list(info.get("names") or []), [list(x) for x in info.get("shapes") or []]
+    if lie != "gpu" and not names:
+        return info, "nothing to lie about (no tensor in this update)"
+    if lie == "names":
+        info["names"] = ["model.no_such_module.weight"] + names[1:]
+        return info, f"announced {names[0]} as model.no_such_module.weight"
+    if lie == "shapes":
+        shapes[0] = [shapes[0][0] + 1] + shapes[0][1:] if shapes[0] else [2]
+        info["shapes"] = shapes
+        return info, f"announced {names[0]} with shape {shapes[0]}"
+    if lie == "dtypes":
+        dtypes = list(info["dtype_names"])
+        dtypes[0] = "bfloat16" if dtypes[0] != "bfloat16" else "float32"
+        info["dtype_names"] = dtypes
+        return info, f"announced {names[0]} as {dtypes[0]}"
+    if lie == "count":
+        info["shapes"] = shapes[:-1]
+        return info, f"{len(names)} names, {len(shapes) - 1} shapes"
+    # gpu: every IPC handle keyed by a GPU that does not exist
+    import base64
+    import pickle
+
+    def rekey(h):
+        return [rekey(x) for x in h] if isinstance(h, list) else \
+            {FAKE_GPU_UUID: v for v in h.values()} if isinstance(h, dict) else h
+
+    if info.get("ipc_handles_pickled"):
+        handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(rekey(handles))).decode()
+    elif info.get("ipc_handles") is not None:
+        info["ipc_handles"] = rekey(info["ipc_handles"])
+    else:
+        return info, "no IPC handles to re-key (not an IPC update)"
+    return info, f"IPC handles keyed by {FAKE_GPU_UUID}"
+
+
+class LyingClient:
+    """The trainer's client with ``lie`` applied to every ``/update_weights``; the
+    other calls pass through. ``told`` lists what was said."""
+
+    def __init__(self, client, lie: str):
+        self._client, self.lie, self.told = client, lie, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def update_weights(self, update_info):
+        if isinstance(update_info, list):  # one entry per data-parallel rank
+            out = [lie_about(u, self.lie) for u in update_info]
+            self.told.append(out[0][1])
+            return self._client.update_weights([u for u, _ in out])
+        info, what = lie_about(update_info, self.lie)
+        self.told.append(what)
+        return self._client.update_weights(info)
 
 
 # ----------------------------------------------------------------------------- child
@@ -124,6 +207,7 @@ def _child_main(spec_json: str, result_fd: int) -> int:
     options = dict(spec.options)
     sender = None
     weights = None
+    client = None
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -147,13 +231,21 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                 result.update(corruption=what, load_seconds=time.monotonic() - t1)
                 if sender is None:
                     t1 = time.monotonic()
-                    client = ServerClient(spec.url, timeout=spec.timeout)
+                    client = _SwitchableClient(ServerClient(
+                        spec.url, timeout=spec.timeout,
+                        api_key=os.environ.get(API_KEY_ENV) or None))
                     sender = sender_class(spec.engine)(client, packed=spec.packed,
                                                        options=options)
                     sender.init()
                     result["init_seconds"] = time.monotonic() - t1
                 t1 = time.monotonic()
-                result.update(sender.send(named).as_dict())
+                liar = client.lie(cmd.get("lie"))
+                try:
+                    result.update(sender.send(named).as_dict())
+                finally:
+                    client.lie(None)
+                    if liar is not None:
+                        result["lie"] = "; ".join(dict.fromkeys(liar.told)) or "nothing sent"
                 result["sync_seconds"] = time.monotonic() - t1
                 result["ok"] = True
             except BaseException as e:  # report everything, KeyboardInterrupt included
@@ -169,25 +261,48 @@ def _child_main(spec_json: str, result_fd: int) -> int:
     return 0
 
 
+class _SwitchableClient:
+    """The sender's client for the trainer's whole life; ``lie(kind)`` routes the next
+    updates through a ``LyingClient`` (``lie(None)`` stops lying). Senders keep the
+    client they were built with, so the switch is made here, below them."""
+
+    def __init__(self, client):
+        self._honest = self._current = client
+
+    def lie(self, kind: str | None) -> LyingClient | None:
+        self._current = self._honest if kind is None else LyingClient(self._honest, kind)
+        return None if kind is None else self._current
+
+    def __getattr__(self, name: str):
+        return getattr(self._current, name)
+
+
 # ----------------------------------------------------------------------------- parent
 
 class Trainer:
     """One trainer process for one server and backend variant; ``sync`` many times."""
 
     def __init__(self, spec: TrainerSpec, *, log_dir: Path,
-                 context: Callable[[], str] | None = None, env: dict | None = None):
+                 context: Callable[[], str] | None = None, env: dict | None = None,
+                 api_key: str | None = None):
         self.spec = spec
         self.log_dir = Path(log_dir)
         self.context = context or (lambda: "")
         self.env = env
+        self.api_key = api_key
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self.scratch: Path | None = None
         self.syncs = 0
         self._results: int | None = None
         self._buf = b""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     def _start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -196,8 +311,15 @@ class Trainer:
         os.close(fd)
         self.log_path = Path(self.log_path)
         read_end, write_end = os.pipe()
-        env = dict(os.environ if self.env is None else self.env)
+        from harness import reaper
+
+        env = reaper.tagged(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        self.scratch = reaper.make_scratch(f"trainer-{self.spec.engine}")
+        env[SCRATCH_ENV] = str(self.scratch)
         spec_json = json.dumps(dataclasses.asdict(self.spec), default=str)
         with open(self.log_path, "w") as log:
             try:
@@ -210,16 +332,20 @@ class Trainer:
         self._results, self._buf, self.syncs = read_end, b"", 0
 
     def sync(self, weights_dir: str, *, corrupt: str | None = None,
-             corrupt_target: str | None = None, timeout: float = 600.0) -> dict:
-        """Push ``weights_dir`` (optionally damaged) through this trainer's group; return
-        its result dict (``first`` says whether it opened the group) or raise
-        ``TrainerError``, after which the trainer is gone."""
+             corrupt_target: str | None = None, lie: str | None = None,
+             timeout: float = 600.0) -> dict:
+        """Push ``weights_dir`` (optionally damaged, or described by a lying update
+        info: ``lie``, one of LIES) through this trainer's group; return its result
+        dict (``first`` says whether it opened the group) or raise ``TrainerError``,
+        after which the trainer is gone."""
+        if lie is not None and lie not in LIES:
+            raise ValueError(f"unknown lie {lie!r}; known: {', '.join(LIES)}")
         fresh = not self.alive()
         if fresh:
             self.close()
             self._start()
         cmd = {"op": "sync", "weights_dir": str(weights_dir), "corrupt": corrupt,
-               "corrupt_target": corrupt_target}
+               "corrupt_target": corrupt_target, "lie": lie}
         try:
             self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
             self.proc.stdin.flush()
@@ -253,8 +379,10 @@ class Trainer:
             chunk = os.read(self._results, 1 << 16)
             if not chunk:
                 code = self.proc.wait(timeout=30)
-                raise TrainerError(f"trainer ({self._what()}) exited with code {code} "
-                                   f"without a result:\n{self.log_tail()}\n{self.context()}")
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                raise TrainerError(f"trainer ({self._what()}, pid {self.proc.pid}) {how} "
+                                   f"during the sync, without a result:\n{self.log_tail()}\n"
+                                   f"{self.context()}")
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
@@ -304,17 +432,23 @@ class Trainer:
         if self._results is not None:
             os.close(self._results)
             self._results = None
+        if self.scratch is not None:  # what a killed child could not remove itself
+            import shutil
+
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = None,
-                corrupt_target: str | None = None, timeout: float = 600.0,
-                log_dir: Path | None = None, context: Callable[[], str] | None = None) -> dict:
+                corrupt_target: str | None = None, lie: str | None = None,
+                timeout: float = 600.0, log_dir: Path | None = None,
+                context: Callable[[], str] | None = None, api_key: str | None = None) -> dict:
     """One sync by a trainer of its own (a fresh process and group), then gone."""
     with tempfile.TemporaryDirectory(prefix="harness-trainer-") as tmp:
-        t = Trainer(spec, log_dir=log_dir or Path(tmp), context=context)
+        t = Trainer(spec, log_dir=log_dir or Path(tmp), context=context, api_key=api_key)
         try:
             return t.sync(weights_dir, corrupt=corrupt, corrupt_target=corrupt_target,
-                          timeout=timeout)
+                          lie=lie, timeout=timeout)
         finally:
             t.close()
 

@@ -89,7 +89,8 @@ class Sender:
     (127.0.0.1), ``nccl_port`` (default: a free port), ``packed_buffer_size_bytes``,
     ``packed_num_buffers`` (vLLM's defaults otherwise), ``step_timeout_s`` (default:
     the client's HTTP timeout plus 60 s, so that an HTTP timeout, which says more,
-    fires first).
+    fires first), ``world_size`` (the group's size; default: the server's ranks plus
+    the trainer; fault tests give a wrong one).
     """
 
     def __init__(self, client, *, packed: bool, options: dict):
@@ -109,6 +110,7 @@ class Sender:
         self.timeout = float(options.get("step_timeout_s")
                              or getattr(client, "timeout", 300.0) + 60)
         self.world_size: int | None = None
+        self.forced_world_size = int(options["world_size"]) if options.get("world_size") else None
         self.group: Any = None      # static / raw: the trainer's communicator
         self.engine: Any = None     # factory: vLLM's trainer engine
         self.broadcasts: list[int] | None = None
@@ -121,7 +123,7 @@ class Sender:
     # ----------------------------------------------------------------- init
     def init(self) -> None:
         # the trainer is one extra rank next to every worker of every DP replica
-        self.world_size = int(self.client.world_size()) + 1
+        self.world_size = self.forced_world_size or int(self.client.world_size()) + 1
         if self.path == "factory":
             factory = vllm_api.lookup("WeightTransferTrainerFactory")
             init_cls = vllm_api.lookup("NCCLTrainerInitInfo")

@@ -40,7 +40,10 @@ def register() -> None:
 
 
 def default_root() -> Path:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    """A fresh directory on tmpfs, inside the trainer's scratch directory when it has
+    one (its parent removes that even after a SIGKILL: ``harness.trainer``)."""
+    base = os.environ.get("HARNESS_TRAINER_SCRATCH") or (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
     return Path(tempfile.mkdtemp(prefix="harness-shm-", dir=base))
 
 
@@ -71,14 +74,18 @@ def _buckets(weights: Iterable[tuple[str, Any]], bucket_bytes: int | None
 
 def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
                  bucket_bytes: int | None = None, init: bool = True,
-                 reprocess_tied: bool = False) -> ShmSendStats:
+                 reprocess_tied: bool = False, bucket_delay_s: float = 0.0) -> ShmSendStats:
     """Push ``weights`` through the HTTP control plane with files under ``root``.
 
     ``client`` has the four methods of vLLM's ``VLLMWeightSyncClient`` protocol.
     ``bucket_bytes=None`` sends one file ("packed" into a single bucket); a number
     splits the stream into files of at most that many bytes. Files are removed
-    once the server has acknowledged them.
+    once the server has acknowledged them. ``bucket_delay_s``: wait that long after
+    each acknowledged bucket but the last (fault tests stop a trainer mid-update,
+    with the update open on the server, at a moment they choose).
     """
+    import time
+
     from safetensors.torch import save_file
 
     from harness.facts import update_info
@@ -92,6 +99,9 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
     stats = ShmSendStats()
     client.start_weight_update()
     for i, bucket in enumerate(_buckets(weights, bucket_bytes)):
+        if i and bucket_delay_s:
+            print(f"shm: {i} bucket(s) acknowledged, waiting {bucket_delay_s}s", flush=True)
+            time.sleep(bucket_delay_s)
         path = root / f"bucket-{os.getpid()}-{i:05d}.safetensors"
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
         save_file(tensors, str(path))
@@ -111,7 +121,8 @@ class Sender:
     """The reference backend's trainer side: ``packed`` sends one bucket per update,
     otherwise buckets of ``options['bucket_bytes']`` (default 16 MiB). Options:
     ``shm_root`` (default: a fresh directory on tmpfs, removed by ``close``),
-    ``reprocess_tied`` (the opt-in workaround, sent in the init info)."""
+    ``reprocess_tied`` (the opt-in workaround, sent in the init info),
+    ``bucket_delay_s`` (a pause after each acknowledged bucket, for fault tests)."""
 
     api_path = "harness shm sender over HTTP routes"
 
@@ -121,6 +132,7 @@ class Sender:
         self.root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
         self.bucket_bytes = None if packed else int(options.get("bucket_bytes") or 16 << 20)
         self.reprocess_tied = bool(options.get("reprocess_tied"))
+        self.bucket_delay_s = float(options.get("bucket_delay_s") or 0.0)
 
     def init(self) -> None:
         info: dict[str, Any] = {"root": str(self.root)}
@@ -132,7 +144,8 @@ class Sender:
         from harness.backends import SendResult
 
         stats = send_weights(self.client, weights, root=self.root,
-                             bucket_bytes=self.bucket_bytes, init=False)
+                             bucket_bytes=self.bucket_bytes, init=False,
+                             bucket_delay_s=self.bucket_delay_s)
         return SendResult(tensors=stats.tensors, bytes=stats.bytes, chunks=stats.buckets,
                           api_path=self.api_path, update_calls=stats.buckets,
                           http_calls=["/start_weight_update"]
