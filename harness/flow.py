@@ -32,13 +32,15 @@ OnStep = Callable[..., None]
 class SyncSession:
     def __init__(self, case: Case, pool: ServerPool, *, fresh: bool = False,
                  sync_timeout: float = 600.0, attention_backend: str | None = None,
-                 on_record: Callable[[str, dict], None] | None = None):
+                 on_record: Callable[[str, dict], None] | None = None,
+                 api_key: str | None = None):
         self.case, self.pool = case, pool
         self.sync_timeout = sync_timeout
         self.on_record = on_record
         self.model_path: str = resolve_model_path(case.model)
         self.server_cfg: ServerConfig = server_config_for(case, self.model_path,
-                                                          attention_backend=attention_backend)
+                                                          attention_backend=attention_backend,
+                                                          api_key=api_key)
         self.current_server: VLLMServer | None = None
         self.server = self.use_server(self.server_cfg, fresh=fresh)
         self.client = self.client_for(self.server)
@@ -53,7 +55,7 @@ class SyncSession:
         return srv
 
     def client_for(self, srv: VLLMServer) -> ServerClient:
-        return ServerClient(srv.url, context=srv.describe_failure)
+        return ServerClient(srv.url, context=srv.describe_failure, api_key=srv.cfg.api_key)
 
     def twin(self, weights_dir: str | Path) -> tuple[VLLMServer, ServerClient]:
         """A second server that loads ``weights_dir`` from disk the normal way."""
@@ -91,14 +93,18 @@ class SyncSession:
                                 options=dict(options or {}, device=lay.trainer_device))
 
     def sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
-             corrupt_target: str | None = None, pause: bool = True,
+             corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
              pause_mode: str | None = None, options: dict | None = None,
              fresh_trainer: bool = False) -> dict:
         """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
 
         The server's persistent trainer for this backend variant does the work (its
         group was opened by its first sync); ``fresh_trainer`` uses a trainer of its
-        own instead: a new process and a new group, gone afterwards."""
+        own instead: a new process and a new group, gone afterwards. ``lie``: the
+        update info disagrees with the tensors (``harness.trainer.LIES``).
+
+        When the sync fails, the error raised is the trainer's (a failing /resume
+        after it does not hide it), with a note on the state of the server."""
         weights = str(weights_dir or self.model_path)
         spec = self.trainer_spec(options)
         # Until the trainer reports success the server holds an unknown mix of weights.
@@ -108,18 +114,27 @@ class SyncSession:
         try:
             if fresh_trainer:
                 result = run_trainer(spec, weights, corrupt=corrupt,
-                                     corrupt_target=corrupt_target, timeout=self.sync_timeout,
-                                     log_dir=self.pool.log_dir,
-                                     context=self.server.describe_failure)
+                                     corrupt_target=corrupt_target, lie=lie,
+                                     timeout=self.sync_timeout, log_dir=self.pool.log_dir,
+                                     context=self.server.describe_failure,
+                                     api_key=self.server_cfg.api_key)
             else:
                 result = self.pool.trainer(self.server_cfg, spec).sync(
-                    weights, corrupt=corrupt, corrupt_target=corrupt_target,
+                    weights, corrupt=corrupt, corrupt_target=corrupt_target, lie=lie,
                     timeout=self.sync_timeout)
-        finally:
+        except BaseException as e:
+            _add_note(e, self.server_state())
             if pause:
-                self.client.resume()
-        self.pool.set_holding(self.server_cfg,
-                              State.SYNCED if corrupt is None else State.CORRUPTED, weights)
+                try:
+                    self.client.resume()
+                except Exception as r:
+                    _add_note(e, f"/resume after the failed sync failed too: "
+                                 f"{str(r).splitlines()[0]}")
+            raise
+        if pause:
+            self.client.resume()
+        self.pool.set_holding(self.server_cfg, State.SYNCED if corrupt is None and lie is None
+                              else State.CORRUPTED, weights)
         self.record(sync_seconds=result.get("sync_seconds"), sync_bytes=result.get("bytes"),
                     sync_tensors=result.get("tensors"), trainer_api=result.get("api_path"),
                     sync_first=result.get("first"), sync_init_seconds=result.get("init_seconds"),
@@ -130,6 +145,15 @@ class SyncSession:
                 "sync_seconds", "init_seconds", "load_seconds", "first", "bytes", "tensors",
                 "corruption", "api_path")})
         return result
+
+    def server_state(self) -> str:
+        """One line: is the server still there, and does it answer /health?"""
+        srv = self.server
+        code = srv.exit_code()
+        if code is not None:
+            return f"server {srv.url}: DIED (exit code {code}); log {srv.log_path}"
+        return (f"server {srv.url}: process alive, /health "
+                f"{'answers 200' if self.client.health() else 'does NOT answer 200'}")
 
     @property
     def holds(self) -> str | None:
@@ -151,7 +175,10 @@ class SyncSession:
         if state in (State.DUMMY, State.SYNCED):
             return None
         why = "a weight sync did not complete"
-        if state is State.CORRUPTED:
+        code = self.server.exit_code()
+        if code is not None:
+            why = f"it died (exit code {code}) while its weights were in doubt"
+        if state is State.CORRUPTED and code is None:
             try:
                 if self.client.is_paused():
                     self.client.resume()
@@ -166,6 +193,11 @@ class SyncSession:
         self.metrics.update(metrics)
         if self.on_record is not None:
             self.on_record("metrics", metrics)
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    if hasattr(e, "add_note"):  # Python >= 3.11: shown under the traceback
+        e.add_note(note)
 
 
 def resolve_model_path(model: str) -> str:

@@ -37,6 +37,8 @@ MARKERS = (
     "gpu: runs on a GPU layout (set on every case whose layout uses a GPU)",
     "selftest: shows that a check fails when the behaviour it checks is broken",
     "faults: bad input, protocol misuse, dying processes and leaks",
+    "breaks_server: the test may leave its server unusable; it runs after every other "
+    "test on that server, which is then stopped or restarted",
     "harness_deselect(reason): set by the harness on cases this run cannot or must not run",
 )
 
@@ -181,9 +183,11 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
 
     mark_known_issues(config, items, state.settings.vllm_url)
     # Tests grouped by the server they need (each server starts once and stops after
-    # its last test); within a group, tests that need never-synced weights first.
+    # its last test); within a group, tests that need never-synced weights first, and
+    # tests that may break the server last (nothing after them pays for a restart).
     order = {id(it): i for i, it in enumerate(items)}
-    items.sort(key=lambda it: (_server_key(it), 0 if it.get_closest_marker("fresh_server") else 1,
+    items.sort(key=lambda it: (_server_key(it), 0 if it.get_closest_marker("fresh_server") else
+                               2 if it.get_closest_marker("breaks_server") else 1,
                                order[id(it)]))
 
 
@@ -193,7 +197,8 @@ def _configs_of(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
                 ) -> list[ServerConfig]:
     case = _case_of(item)
     path = paths.setdefault(case.model, resolve_model_path(case.model))
-    cfg = server_config_for(case, path, attention_backend=s.vllm_attention_backend)
+    cfg = server_config_for(case, path, attention_backend=s.vllm_attention_backend,
+                            api_key=s.vllm_api_key)
     return [cfg, twin_config(cfg, path)] if item.get_closest_marker("twin") else [cfg]
 
 
@@ -239,7 +244,7 @@ def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
     t0 = time.monotonic()
     try:
         sess = SyncSession(case, pool, fresh=fresh, sync_timeout=s.vllm_sync_timeout,
-                           attention_backend=s.vllm_attention_backend,
+                           attention_backend=s.vllm_attention_backend, api_key=s.vllm_api_key,
                            on_record=lambda kind, data: node.user_properties.append((kind, data)))
     except NeedsFreshServer as e:
         pytest.skip(str(e))
@@ -259,6 +264,11 @@ def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool)
     restarted = sess.leave_healthy()
     if restarted:
         warnings.warn(restarted, stacklevel=2)
+    # A server that died during this test is not restarted: later tests on it fail
+    # with this cause and its log tail, not with connection errors.
+    died = sess.pool.mark_dead(sess.server_cfg, during=request.node.nodeid)
+    if died:
+        warnings.warn(died.splitlines()[0], stacklevel=2)
 
 
 @dataclasses.dataclass
@@ -372,6 +382,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
                       f"wall; suite wall time {time.monotonic() - state.t0:.1f}s")
         for srv in state.pool.started:
             tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  {srv['config']}")
+        for o in state.pool.reaped:
+            tr.write_line(f"reaped an orphan of a run that was killed: {o.describe()}")
 
 
 @pytest.hookimpl(trylast=True)

@@ -9,6 +9,15 @@ stopped once no remaining test needs it (``release``).
 Each server has one persistent trainer per backend variant (``trainer``): the group
 is opened once and every later sync reuses it, as RL trainers do.
 
+A server that failed to start, or that died after it was handed out, is not started
+again: every later ``get`` for its configuration raises ``ServerUnavailable`` with the
+original cause (the exit status and the log tail), instead of the tests that follow
+failing with connection errors or each paying for a start that may fail the same way.
+A server stopped on purpose (``discard``, a test's repair) is started again on demand.
+
+Creating a pool first stops the orphans of earlier runs that were killed outright
+(``harness.reaper``); they are listed in ``reaped``.
+
 The pool knows nothing of pytest: failures are exceptions (``ServerUnavailable``,
 ``NeedsFreshServer``) that each front end presents in its own way.
 """
@@ -23,12 +32,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import reaper
 from .server import ServerConfig, ServerError, VLLMServer
 from .trainer import Trainer, TrainerSpec
 
 
 class ServerUnavailable(RuntimeError):
-    """This configuration's server failed to start earlier; it is not retried."""
+    """This configuration's server failed to start earlier, or died; it is not retried."""
 
 
 class NeedsFreshServer(RuntimeError):
@@ -55,7 +65,8 @@ class Holding:
 
 class ServerPool:
     def __init__(self, log_dir: Path, *, start_timeout: float, max_alive: int,
-                 url: str | None = None):
+                 url: str | None = None, reap: bool = True):
+        self.reaped: list[reaper.Orphan] = reaper.reap() if reap else []
         self.log_dir, self.start_timeout, self.url = Path(log_dir), start_timeout, url
         self.max_alive = max(1, max_alive)
         self.servers: dict[ServerConfig, VLLMServer] = {}
@@ -130,11 +141,12 @@ class ServerPool:
             self.servers[cfg] = srv
             return srv
         if cfg in self.poisoned:
-            raise ServerUnavailable(f"the server for this configuration failed to start "
-                                    f"earlier; not retried:\n{self.poisoned[cfg]}")
+            raise ServerUnavailable(self.poisoned[cfg])
         srv = self.servers.get(cfg)
-        if srv is not None and (not srv.alive() or fresh and self.holding.get(cfg) is not None
-                                and self.holding[cfg].state is not State.DUMMY):
+        if srv is not None and not srv.alive():
+            raise ServerUnavailable(self.mark_dead(cfg))
+        if srv is not None and fresh and self.holding.get(cfg) is not None \
+                and self.holding[cfg].state is not State.DUMMY:
             self._stop(cfg)
             srv = None
         if srv is None:
@@ -153,7 +165,8 @@ class ServerPool:
         try:
             srv = future.result()
         except ServerError as e:
-            self.poisoned[cfg] = str(e)
+            self.poisoned[cfg] = (f"the server for this configuration failed to start "
+                                  f"earlier; not retried:\n{e}")
             raise
         finally:
             with self._lock:
@@ -169,6 +182,23 @@ class ServerPool:
         while self.servers and len(self.servers) + len(self._starting) >= self.max_alive:
             idle = [c for c in self.servers if c not in self._plan] or list(self.servers)
             self._stop(idle[0])
+
+    def mark_dead(self, cfg: ServerConfig, during: str | None = None) -> str | None:
+        """If ``cfg``'s server has died, stop what is left of its process tree and make
+        every later ``get`` fail with the cause; returns that cause (None if alive)."""
+        srv = self.servers.get(cfg)
+        if srv is None or self.url or srv.alive():
+            return None
+        when = f" during {during}" if during else " after it was last handed out"
+        why = (f"the server for this configuration died{when} (exit code "
+               f"{srv.exit_code()}); it is not restarted, so every later test that needs "
+               f"it fails with this cause:\n{srv.describe_failure()}")
+        self.poisoned[cfg] = why
+        try:
+            self._stop(cfg)  # engine core or workers may outlive the API server
+        except ServerError as e:
+            self.poisoned[cfg] = why = f"{why}\n{e}"
+        return why
 
     # ------------------------------------------------------------------ weights
     def holding_of(self, cfg: ServerConfig) -> Holding:
@@ -186,7 +216,7 @@ class ServerPool:
         if t is None:
             srv = self.servers[cfg]
             t = self.trainers[key] = Trainer(spec, log_dir=self.log_dir,
-                                             context=srv.describe_failure)
+                                             context=srv.describe_failure, api_key=cfg.api_key)
         return t
 
     def drop_trainers(self, cfg: ServerConfig) -> None:
