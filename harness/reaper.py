@@ -9,7 +9,10 @@ environment, the identity of the run that owns it:
     HARNESS_OWNER=<pid>:<start time>
 
 (the start time, from psutil, tells a live owner from a later process that reused its
-pid). vLLM's engine core and workers inherit it from the API server. ``find_orphans``
+pid). vLLM's engine core and workers inherit it from the API server (the server runs
+with SPT_NOENV=1, or vLLM's setproctitle would overwrite their environment block; should
+a tag be unreadable anyway, a tagged orphan's descendants and process group go with
+it). ``find_orphans``
 lists the processes, of this user, whose tag names an owner that no longer exists;
 ``reap`` stops them, leaves first, TERM then KILL. A process without the tag, or
 whose owner is alive (another run going on beside this one), is never touched.
@@ -120,9 +123,8 @@ def reap(orphans: list[Orphan] | None = None, *, timeout: float = 15.0) -> list[
             p = psutil.Process(o.pid)
             if p.environ().get(OWNER_ENV) == o.owner:  # still the same process
                 procs[p.pid] = p
-                # vLLM's engine core and workers rename themselves (setproctitle), which
-                # overwrites their environment block: they are found as descendants, or
-                # as members of the process group the harness created for the server.
+                # its descendants and process group too, tagged or not (a process that
+                # renamed itself without SPT_NOENV has lost its environment block)
                 for c in p.children(recursive=True):
                     procs[c.pid] = c
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

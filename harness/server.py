@@ -118,6 +118,9 @@ def build_env(cfg: ServerConfig) -> dict[str, str]:
     env.update({
         "VLLM_SERVER_DEV_MODE": "1",               # exposes the weight-transfer routes
         "PYTHONUNBUFFERED": "1",
+        # vLLM renames its engine core and workers with setproctitle, which by default
+        # overwrites their environment block, owner tag included (harness.reaper)
+        "SPT_NOENV": "1",
     })
     # Only what this server needs, whatever the calling environment holds.
     env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
