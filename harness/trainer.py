@@ -233,7 +233,8 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                     t1 = time.monotonic()
                     client = _SwitchableClient(ServerClient(
                         spec.url, timeout=spec.timeout,
-                        api_key=os.environ.get(API_KEY_ENV) or None))
+                        api_key=os.environ.get(API_KEY_ENV) or None),
+                        hold_after_start_s=float(options.get("hold_after_start_s") or 0))
                     sender = sender_class(spec.engine)(client, packed=spec.packed,
                                                        options=options)
                     sender.init()
@@ -264,14 +265,25 @@ def _child_main(spec_json: str, result_fd: int) -> int:
 class _SwitchableClient:
     """The sender's client for the trainer's whole life; ``lie(kind)`` routes the next
     updates through a ``LyingClient`` (``lie(None)`` stops lying). Senders keep the
-    client they were built with, so the switch is made here, below them."""
+    client they were built with, so the switch is made here, below them.
+    ``hold_after_start_s`` (option): wait that long once /start_weight_update answered,
+    with the update open (fault tests kill the trainer there)."""
 
-    def __init__(self, client):
+    def __init__(self, client, hold_after_start_s: float = 0.0):
         self._honest = self._current = client
+        self.hold_after_start_s = hold_after_start_s
 
     def lie(self, kind: str | None) -> LyingClient | None:
         self._current = self._honest if kind is None else LyingClient(self._honest, kind)
         return None if kind is None else self._current
+
+    def start_weight_update(self, *args, **kwargs):
+        out = self._current.start_weight_update(*args, **kwargs)
+        if self.hold_after_start_s:
+            print(f"trainer: /start_weight_update acknowledged, holding "
+                  f"{self.hold_after_start_s}s", flush=True)
+            time.sleep(self.hold_after_start_s)
+        return out
 
     def __getattr__(self, name: str):
         return getattr(self._current, name)

@@ -90,7 +90,9 @@ class Sender:
     ``packed_num_buffers`` (vLLM's defaults otherwise), ``step_timeout_s`` (default:
     the client's HTTP timeout plus 60 s, so that an HTTP timeout, which says more,
     fires first), ``world_size`` (the group's size; default: the server's ranks plus
-    the trainer; fault tests give a wrong one).
+    the trainer; fault tests give a wrong one), ``hold_before_broadcast_s`` (wait that
+    long with /update_weights in flight before broadcasting: fault tests kill the
+    trainer there; the harness-driven paths only).
     """
 
     def __init__(self, client, *, packed: bool, options: dict):
@@ -111,6 +113,11 @@ class Sender:
                              or getattr(client, "timeout", 300.0) + 60)
         self.world_size: int | None = None
         self.forced_world_size = int(options["world_size"]) if options.get("world_size") else None
+        self.hold_before_broadcast_s = float(options.get("hold_before_broadcast_s") or 0)
+        if self.hold_before_broadcast_s and self.path == "factory" \
+                and hasattr(client, "hold_after_start_s"):
+            # vLLM's trainer engine broadcasts by itself: hold after /start_weight_update
+            client.hold_after_start_s = self.hold_before_broadcast_s
         self.group: Any = None      # static / raw: the trainer's communicator
         self.engine: Any = None     # factory: vLLM's trainer engine
         self.broadcasts: list[int] | None = None
@@ -236,6 +243,10 @@ class Sender:
         import torch
 
         def trainer_side() -> None:
+            if self.hold_before_broadcast_s:
+                print(f"nccl: /update_weights in flight, holding {self.hold_before_broadcast_s}s "
+                      "before the broadcast", flush=True)
+                time.sleep(self.hold_before_broadcast_s)
             broadcast()
             # Broadcasts are only enqueued; they must have left before the caller may
             # free or change the tensors (and a lost peer shows up here, in the bound).

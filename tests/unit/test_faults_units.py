@@ -196,6 +196,22 @@ def test_a_lying_client_lies_only_in_update_weights():
     assert seen[0]["shapes"][0] == [5, 2] and "announced a.weight" in liar.told[0]
 
 
+def test_the_trainers_client_lies_for_one_sync_and_can_hold_an_update_open(capsys):
+    from harness.trainer import _SwitchableClient
+
+    seen = []
+    inner = types.SimpleNamespace(update_weights=seen.append, start_weight_update=lambda: "ok")
+    c = _SwitchableClient(inner, hold_after_start_s=0.2)
+    liar = c.lie("count")
+    t0 = time.monotonic()
+    assert c.start_weight_update() == "ok" and time.monotonic() - t0 >= 0.2
+    assert "/start_weight_update acknowledged, holding 0.2s" in capsys.readouterr().out
+    c.update_weights(_info())
+    c.lie(None)
+    c.update_weights(_info())
+    assert len(seen[0]["shapes"]) == 1 and seen[1] == _info() and liar.told
+
+
 def test_narrow_sends_a_shape_the_model_does_not_have():
     import torch
 
