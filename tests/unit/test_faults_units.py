@@ -5,14 +5,13 @@ on the broken behaviour it guards (a leaking series, a reused pid, a dead owner)
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
-import base64
 import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import psutil
 import pytest
