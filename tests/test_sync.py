@@ -2,7 +2,6 @@
 control plane makes the server match Hugging Face, and generation pauses around it."""
 
 import threading
-import time
 
 import pytest
 
