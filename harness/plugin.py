@@ -24,6 +24,7 @@ from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
 from .facts import canonical_dtype, installed_vllm, dist_version
 from .flow import FlowResult, SyncSession, resolve_model_path, seed_flow
+from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable
 from .server import ServerConfig, ServerError
 
@@ -214,7 +215,11 @@ def server_pool(request: pytest.FixtureRequest):
     plan: list[ServerConfig] = []
     last: dict[ServerConfig, str] = {}
     for item in state.items:
-        for cfg in _configs_of(item, s, paths):
+        try:
+            configs = _configs_of(item, s, paths)
+        except ModelUnavailable:
+            continue  # its tests skip, each saying why
+        for cfg in configs:
             plan.append(cfg)
             last[cfg] = item.nodeid
     for cfg, nodeid in last.items():
@@ -243,8 +248,8 @@ def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
         sess = SyncSession(case, pool, fresh=fresh, sync_timeout=s.vllm_sync_timeout,
                            attention_backend=s.vllm_attention_backend,
                            on_record=lambda kind, data: node.user_properties.append((kind, data)))
-    except NeedsFreshServer as e:
-        pytest.skip(str(e))
+    except (NeedsFreshServer, ModelUnavailable) as e:
+        pytest.skip(str(e).splitlines()[0])
     except (ServerUnavailable, ServerError) as e:
         pytest.fail(str(e), pytrace=False)
     sess.record(server_wait_seconds=round(time.monotonic() - t0, 3))
