@@ -36,7 +36,7 @@ Once upon a time there was a small model that learned to count: one, two, three,
 four, five, six, seven, eight, nine, ten. The sun rises in the east and sets in
 the west. Python is a programming language. Numbers like 1, 2, 3, 42 and 1000.
 She said hello to the world, and the world said hello back. Questions? Answers!
-""" * 4
+"""
 
 
 def cache_root() -> Path:
@@ -87,7 +87,7 @@ VOCAB_SIZE = 512
 TOKENIZER_RECIPE: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE, "special_tokens": ["<pad>", "<s>", "</s>"],
     "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 512,
-    "corpus": _CORPUS,
+    "corpus": _CORPUS, "corpus_repeat": 4,
 }
 # head_dim 64 and two key/value heads: on H200 with vLLM 0.26, FLEX_ATTENTION in
 # float32 crashed at start-up warm-up ("illegal memory access") both for one

@@ -139,7 +139,8 @@ def torch_dtype(name: str):
 # them), so a script emitted for a bug report builds the zoo model bit for bit.
 
 def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
-    """A byte-level BPE tokenizer trained on the recipe's fixed corpus; deterministic."""
+    """A byte-level BPE tokenizer trained on the recipe's fixed corpus (repeated
+    ``corpus_repeat`` times); deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -152,7 +153,8 @@ def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(recipe["corpus"].splitlines(), trainer=trainer)
+    corpus = recipe["corpus"] * recipe.get("corpus_repeat", 1)
+    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=recipe["bos_token"], eos_token=recipe["eos_token"],
         pad_token=recipe["pad_token"], model_max_length=recipe["model_max_length"],
@@ -749,7 +751,8 @@ def send_nccl(client: Client, weights: list[tuple[str, Any]], sc: dict[str, Any]
 
     def broadcast() -> None:
         engine.trainer_send_weights(iter(weights), args_cls(**args) if args_cls else args)
-        torch.cuda.current_stream().synchronize()  # sent before the tensors may change
+        if device.startswith("cuda"):  # enqueued is not sent: wait before the tensors change
+            torch.cuda.current_stream().synchronize()
 
     client.start_weight_update()
     http = Step("/update_weights", lambda: client.update_weights(update_info))
@@ -768,7 +771,8 @@ def send_ipc(client: Client, weights: list[tuple[str, Any]], sc: dict[str, Any],
     import torch
 
     device, packed = sc["trainer_device"], sc["packed"]
-    torch.cuda.set_device(torch.device(device))  # vLLM names the GPU of the current device
+    if device.startswith("cuda"):  # vLLM names the GPU of the current device in each handle
+        torch.cuda.set_device(torch.device(device))
     api = trainer_api("ipc")
     mod = engine_module("ipc")
     if api == "factory":
