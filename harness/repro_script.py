@@ -76,6 +76,7 @@ import base64
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import math
@@ -125,7 +126,8 @@ def vllm_version() -> str:
             return f"{importlib.metadata.version(dist)} ({dist})"
         except importlib.metadata.PackageNotFoundError:
             pass
-    return "not installed"
+    # a vLLM put on the path without its package metadata
+    return "(version unknown)" if importlib.util.find_spec("vllm") else "not installed"
 
 
 def torch_dtype(name: str):
