@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Values are checked in Scenario (one line, exit 2), not by argparse types/choices,
     # whose errors print the whole usage.
     from .backends import VARIANTS
+    from .cases import REPRO_MODEL
     from .layouts import LAYOUTS
     from .trainer import CORRUPTIONS
 
@@ -60,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="shm",
                    help=f"backend variant: {', '.join(VARIANTS)} (nccl/ipc mean the packed "
                         "variants); default shm")
-    p.add_argument("--model", default="llama", help="zoo model, local directory or hub id")
+    p.add_argument("--model", default=REPRO_MODEL,
+                   help=f"zoo model, local directory or hub id; default {REPRO_MODEL} (a tiny "
+                        "model the emitted script rebuilds with vLLM's dependencies alone)")
     p.add_argument("--dtype", default="float32", help="float32 / bfloat16 (or fp32, bf16)")
     p.add_argument("--layout", default=None,
                    help=f"one of {', '.join(LAYOUTS)}; default: cpu for shm, 2gpu-split for "
