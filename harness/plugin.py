@@ -39,6 +39,7 @@ MARKERS = (
     "gpu: runs on a GPU layout (set on every case whose layout uses a GPU)",
     "selftest: shows that a check fails when the behaviour it checks is broken",
     "faults: bad input, protocol misuse, dying processes and leaks",
+    "bench: runs harness bench against real servers (timings, not parity)",
     "harness_deselect(reason): set by the harness on cases this run cannot or must not run",
 )
 
