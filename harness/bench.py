@@ -31,8 +31,10 @@ backend, the raw limits dashed; needs matplotlib: ``pip install '.[bench]'``).
 ``harness diff A/bench.json B/bench.json`` compares two runs.
 
 Exit code: 0 every case measured, 1 a case failed (its error is in the JSON and the
-table), 2 bad input (one line on stderr: an unknown backend, a size that is not a
-positive number, GPU backends on a host without the GPUs they need...).
+table) or the run was interrupted (Ctrl-C, ``timeout --signal=INT``: the servers are
+stopped, and the table and plot show what was measured), 2 bad input (one line on
+stderr: an unknown backend, a size that is not a positive number, GPU backends on a
+host without the GPUs they need...).
 """
 
 from __future__ import annotations
@@ -45,21 +47,19 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-KIND = "harness-bench"
-SCHEMA = 1
-GB = 1e9  # sizes and rates are decimal: GB = 1e9 bytes, GB/s = 1e9 bytes per second
-MIB = 1 << 20
+from .benchfile import (GB, MIB, PHASES, BenchFileError, limit_at, new_document, rate,
+                        summarize_case, sync_record, write_json)
+from .benchfile import load as load_file
+
 CPU_SIZES = "0.05,0.1,0.25"
 GPU_SIZES = "0.5,1,2,4"
-PHASES = ("start", "update", "finish")
 MAX_SIZE_GB = 1000.0
 DEFAULT_OUT = ".harness-cache/bench"
 WIDTH = 120
@@ -69,7 +69,7 @@ class BadInput(Exception):
     """The command cannot run as asked: one line on stderr, exit code 2."""
 
 
-# ----------------------------------------------------------------------------- pure parts
+# ----------------------------------------------------------------------------- input
 
 def parse_sizes(text: str) -> list[float]:
     """``"0.1,0.5,1"`` -> [0.1, 0.5, 1.0] (GB, sorted, unique); BadInput otherwise."""
@@ -89,156 +89,6 @@ def parse_sizes(text: str) -> list[float]:
     if not out:
         raise BadInput("--sizes: no size given (e.g. --sizes 0.1,0.5,1)")
     return sorted(set(out))
-
-
-def stats(values: Iterable[float | None]) -> dict[str, Any] | None:
-    """n, median, min, max, mean and the relative spread ((max - min) / median) of the
-    values that are numbers; None when there are none."""
-    vals = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if not vals:
-        return None
-    med = statistics.median(vals)
-    return {"n": len(vals), "median": med, "min": min(vals), "max": max(vals),
-            "mean": statistics.fmean(vals),
-            "spread": (max(vals) - min(vals)) / med if med > 0 else None}
-
-
-def phases_from_spans(spans: list) -> dict[str, float] | None:
-    """Phases of one update from the trainer's HTTP spans ``(route, start, end)``:
-    start (``/start_weight_update``), update (from the end of start to the beginning of
-    finish: every ``/update_weights`` and the data moved beside them), finish
-    (``/finish_weight_update``). None when the update did not call both."""
-    starts = [s for s in spans if s[0] == "/start_weight_update"]
-    finishes = [s for s in spans if s[0] == "/finish_weight_update"]
-    if not starts or not finishes:
-        return None
-    s, f = starts[0], finishes[-1]
-    return {"start": s[2] - s[1], "update": max(0.0, f[1] - s[2]), "finish": f[2] - f[1]}
-
-
-def rate(nbytes: int | None, seconds: float | None) -> float | None:
-    """GB/s, or None without both numbers."""
-    if not nbytes or not seconds or seconds <= 0:
-        return None
-    return nbytes / seconds / GB
-
-
-def ratio(gbps: float | None, limit_gbps: float | None) -> float | None:
-    """A sync's rate as a fraction of its path's raw limit."""
-    if gbps is None or not limit_gbps:
-        return None
-    return gbps / limit_gbps
-
-
-_TRAINER_MEM = ("trainer_peak_extra_bytes", "trainer_peak_reserved_extra_bytes",
-                "trainer_retained_bytes")
-
-
-def sync_record(result: dict, *, pause_seconds: float, resume_seconds: float,
-                pause_to_resume_seconds: float, server_memory: dict | None = None) -> dict:
-    """One sync, from the trainer's result and the times around it."""
-    rec = {"sync_seconds": result.get("sync_seconds"),
-           "init_seconds": result.get("init_seconds"),
-           "pause_seconds": pause_seconds, "resume_seconds": resume_seconds,
-           "pause_to_resume_seconds": pause_to_resume_seconds,
-           "phases": phases_from_spans(result.get("http_spans") or []),
-           "bytes": result.get("bytes"), "tensors": result.get("tensors"),
-           "chunks": result.get("chunks"), "update_calls": result.get("update_calls"),
-           "gbps": rate(result.get("bytes"), result.get("sync_seconds"))}
-    rec.update({k: result[k] for k in _TRAINER_MEM if k in result})
-    rec.update(server_memory or {})
-    return rec
-
-
-def _max(records: list[dict], key: str) -> Any:
-    vals = [r.get(key) for r in records if isinstance(r.get(key), (int, float))]
-    return max(vals) if vals else None
-
-
-def summarize_case(cold: dict | None, warm: list[dict], limit_gbps: float | None) -> dict:
-    """A case's numbers: GB/s from the median warm send, its ratio to the limit, the
-    warm and pause-to-resume statistics, median phases, cold seconds, peak memory."""
-    warm_sync = stats(r.get("sync_seconds") for r in warm)
-    nbytes = (warm[0] if warm else cold or {}).get("bytes")
-    gbps = rate(nbytes, warm_sync["median"]) if warm_sync else None
-    phases = {}
-    for name in PHASES:
-        s = stats((r.get("phases") or {}).get(name) for r in warm)
-        phases[name] = s["median"] if s else None
-    cold = cold or {}
-    return {
-        "bytes": nbytes, "gbps": gbps, "limit_gbps": limit_gbps, "ratio": ratio(gbps, limit_gbps),
-        "warm_sync_seconds": warm_sync,
-        "warm_pause_to_resume_seconds": stats(r.get("pause_to_resume_seconds") for r in warm),
-        "phases": phases,
-        "cold_init_seconds": cold.get("init_seconds"),
-        "cold_sync_seconds": cold.get("sync_seconds"),
-        "cold_pause_to_resume_seconds": cold.get("pause_to_resume_seconds"),
-        "server_peak_extra_bytes": _max(warm, "server_peak_extra_bytes"),
-        "server_retained_bytes": _max(warm, "server_retained_bytes"),
-        "trainer_peak_extra_bytes": _max(warm, "trainer_peak_extra_bytes"),
-        "cold_server_peak_extra_bytes": cold.get("server_peak_extra_bytes"),
-        "cold_trainer_peak_extra_bytes": cold.get("trainer_peak_extra_bytes"),
-        "server_memory_method": next((r.get("server_memory_method") for r in warm
-                                     if r.get("server_memory_method")), None),
-    }
-
-
-def limit_at(limits: list[dict], path: str, nbytes: int | None) -> dict | None:
-    """The raw-limit record of ``path`` measured at ``nbytes`` (the nearest size)."""
-    for lim in limits:
-        if lim.get("path") == path and lim.get("sizes") and nbytes:
-            return min(lim["sizes"], key=lambda s: abs(math.log(s["bytes"] / nbytes)))
-    return None
-
-
-def case_key(case: dict) -> tuple[str, str, str, float]:
-    """What identifies a case across runs: backend, layout, dtype, requested size."""
-    return (case["backend"], case["layout"], case["dtype"], round(float(case["size_gb"]), 6))
-
-
-# ----------------------------------------------------------------------------- the file
-
-def new_document(header: dict) -> dict:
-    return {"kind": KIND, "schema": SCHEMA, "header": header, "models": [], "limits": [],
-            "servers": [], "cases": []}
-
-
-def load(path: Path) -> dict:
-    """A bench file, checked; BadInput names what is wrong with it."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BadInput(f"cannot read {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"cannot read {path}: not JSON (line {e.lineno} column {e.colno})"
-                       ) from None
-    check(doc, path)
-    return doc
-
-
-def check(doc: Any, path: Any = "bench file") -> None:
-    if not isinstance(doc, dict) or doc.get("kind") != KIND:
-        raise BadInput(f"{path}: not a harness bench file (kind {KIND!r}; write one with "
-                       "harness bench --out DIR)")
-    if not isinstance(doc.get("schema"), int) or doc["schema"] > SCHEMA:
-        raise BadInput(f"{path}: bench schema {doc.get('schema')!r}; this harness reads "
-                       f"up to {SCHEMA}")
-    if not isinstance(doc.get("cases"), list) or not isinstance(doc.get("header"), dict):
-        raise BadInput(f"{path}: a bench file needs 'header' and 'cases'")
-    for i, c in enumerate(doc["cases"]):
-        if not isinstance(c, dict) or not all(k in c for k in ("backend", "layout", "dtype",
-                                                                "size_gb")):
-            raise BadInput(f"{path}: case {i} lacks backend, layout, dtype or size_gb")
-
-
-def write_json(doc: dict, path: Path) -> None:
-    """Written whole, then renamed: a run killed mid-write leaves the previous file."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    tmp.replace(path)
 
 
 # ----------------------------------------------------------------------------- table
@@ -386,11 +236,11 @@ def write_plot(doc: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     series = plot_series(doc)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
-    for name, b in series["backends"].items():
+    for k, (name, b) in enumerate(series["backends"].items()):
         color = _COLORS.get(name)
         ax.errorbar(b["x"], b["y"], yerr=[b["lo"], b["hi"]], marker="o", capsize=3,
                     color=color, label=name)
@@ -399,7 +249,8 @@ def write_plot(doc: dict, path: Path) -> Path:
                      color=color, label=name)
             for x, r in b["ratio"]:
                 ax2.annotate(f"{r:.0f}%" if r >= 10 else f"{r:.1f}%", (x, r), fontsize=7,
-                             textcoords="offset points", xytext=(4, 4), color=color)
+                             textcoords="offset points", xytext=(5, 4 - 10 * (k % 2)),
+                             color=color)  # alternate sides: neighbouring lines stay legible
     for path_name, lim in series["limits"].items():
         color, style = _LIMIT_STYLE.get(path_name, ("gray", "--"))
         ax.plot(lim["x"], lim["y"], linestyle=style, color=color, alpha=0.6, marker="x",
@@ -408,18 +259,20 @@ def write_plot(doc: dict, path: Path) -> Path:
     wide = bool(ratios) and max(ratios) > 20 * min(ratios)  # else a linear axis from 0 reads better
     if ratios and not wide:
         ax2.set_ylim(0, max(ratios) * 1.25)
+    sizes = sorted({x for b in series["backends"].values() for x in b["x"]})
     for a, unit in ((ax, ""), (ax2, "%")):
         a.set_xscale("log")
-        if a is ax or wide:
-            a.set_yscale("log")
         a.set_xlabel("weights synced (GB)")
         a.grid(True, which="both", alpha=0.3)
-        for axis, u in ((a.xaxis, ""), (a.yaxis, unit)):  # 0.1, 0.2, 0.5, 1, 2 ... not 10^x
-            if axis.get_scale() == "log":
-                axis.set_major_formatter(FuncFormatter(lambda v, _, u=u: _tick(v, u)))
-                axis.set_minor_formatter(FuncFormatter(lambda v, _, u=u: _tick(v, u)))
-            else:
-                axis.set_major_formatter(FuncFormatter(lambda v, _, u=u: f"{v:g}{u}"))
+        if sizes:  # a tick at every size measured, in plain numbers
+            a.set_xticks(sizes, [f"{x:.2g}" for x in sizes])
+            a.xaxis.set_minor_formatter(NullFormatter())
+        if a is ax or wide:
+            a.set_yscale("log")  # 0.1, 0.2, 0.5, 1, 2 ... rather than 10^x
+            a.yaxis.set_major_formatter(FuncFormatter(lambda v, _, u=unit: _tick(v, u)))
+            a.yaxis.set_minor_formatter(FuncFormatter(lambda v, _, u=unit: _tick(v, u)))
+        else:
+            a.yaxis.set_major_formatter(FuncFormatter(lambda v, _, u=unit: f"{v:g}{u}"))
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)
     ax.set_ylabel("GB/s (bytes / warm send; median, bars: min-max)")
@@ -961,7 +814,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.replot is not None:
-        doc = load(args.replot)
+        try:
+            doc = load_file(args.replot)
+        except BenchFileError as e:
+            raise BadInput(str(e)) from None
         out = args.out or args.replot.parent
         out.mkdir(parents=True, exist_ok=True)
         _finish(doc, out)
@@ -990,10 +846,12 @@ def _run(args: argparse.Namespace) -> int:
     bench.progress.note(f"harness bench: {', '.join(c.id for c in plan.cases)}; sizes "
                         f"{', '.join(f'{s:g}' for s in plan.sizes)} GB; {plan.warm} warm syncs; "
                         f"results in {out}")
-    failed = True
     try:
         failed = bench.run()
         doc["header"]["complete"] = True
+    except KeyboardInterrupt:  # a job's time limit: keep and show what was measured
+        print("harness bench: interrupted; the cases measured so far follow", file=sys.stderr)
+        failed = True
     finally:
         bench.save()
     _finish(doc, out)

