@@ -80,9 +80,21 @@ def measure(path: str, sizes: list[int], *, reps: int = 5, device: int | None = 
                             f"{out[-2000:]}") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_TAG)]
     if proc.returncode != 0 or not lines:
-        raise RawLimitError(f"raw limit {path}: the measuring child failed (exit "
-                            f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        out = proc.stdout + proc.stderr
+        raise RawLimitError(f"raw limit {path}: {cause(out)} (exit {proc.returncode})\n"
+                            f"{out[-3000:]}")
     return json.loads(lines[-1][len(_TAG):])
+
+
+def cause(output: str) -> str:
+    """The line of a child's output that says what went wrong: the last one naming an
+    error (a traceback's last line, NCCL's "Last error:" detail), else the last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Last error:") and i + 1 < len(lines):
+            return lines[i + 1]
+    named = [ln for ln in lines if "Error" in ln.split(":")[0] or ln.startswith("Error")]
+    return (named or lines or ["no output"])[-1][:300]
 
 
 def _env() -> dict[str, str]:
@@ -117,10 +129,20 @@ def _host(sizes: list[int], reps: int) -> dict[str, Any]:
             "sizes": out}
 
 
+def _cuda(device: int):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"no CUDA device here (torch {torch.__version__})")
+    if device >= torch.cuda.device_count():
+        raise RuntimeError(f"no GPU {device}: {torch.cuda.device_count()} visible")
+    return torch.device("cuda", device)
+
+
 def _d2d(sizes: list[int], reps: int, device: int) -> dict[str, Any]:
     import torch
 
-    dev = torch.device("cuda", device)
+    dev = _cuda(device)
     torch.cuda.set_device(dev)
     out = []
     for n in sizes:
@@ -165,9 +187,12 @@ def _nccl(sizes: list[int], reps: int, src: int, dst: list[int], timeout: float)
                 p.kill()
                 p.wait()
     if any(p.returncode for p in procs):
-        raise RawLimitError("NCCL ranks failed:\n" + "\n".join(
-            f"--- rank {r} (exit {p.returncode}) ---\n{o[-2000:]}"
-            for r, (p, o) in enumerate(zip(procs, outputs))))
+        failed = [(r, p.returncode, o) for r, (p, o) in enumerate(zip(procs, outputs))
+                  if p.returncode]
+        raise RawLimitError(f"NCCL broadcast GPU {src} -> GPU {','.join(map(str, dst))} failed: "
+                            f"{cause(failed[0][2])}\n" + "\n".join(
+                                f"--- rank {r} (exit {code}) ---\n{o[-2000:]}"
+                                for r, code, o in failed))
     lines = [ln for ln in outputs[0].splitlines() if ln.startswith(_TAG)]
     if not lines:
         raise RawLimitError(f"NCCL rank 0 reported nothing:\n{outputs[0][-2000:]}")
@@ -181,7 +206,7 @@ def _nccl_rank(sizes: list[int], reps: int, rank: int, world: int, port: int,
     import torch
     import torch.distributed as dist
 
-    dev = torch.device("cuda", device)
+    dev = _cuda(device)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, device_id=dev)

@@ -144,6 +144,22 @@ def test_host_copy_limit_is_measured_in_a_child(tmp_path):
     assert "host memory copy" in r["what"]
 
 
+def test_a_failed_limit_says_why_on_its_first_line():
+    from harness import rawlimit
+
+    with pytest.raises(rawlimit.RawLimitError) as e:
+        rawlimit.measure("d2d", [1000], reps=1, device=99, timeout=120)
+    assert str(e.value).splitlines()[0].startswith("raw limit d2d: RuntimeError: no ")
+    nccl = ("Traceback (most recent call last):\n  File \"c10d.py\", line 9\n"
+            "torch.distributed.DistBackendError: NCCL error in: NCCLUtils.cpp:93, invalid usage\n"
+            "Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 60\n"
+            "[W1201 ProcessGroupNCCL.cpp:1575] Warning: destroy_process_group() was not called\n")
+    assert rawlimit.cause(nccl) == ("Duplicate GPU detected : rank 1 and rank 0 both on "
+                                    "CUDA device 60")
+    assert rawlimit.cause("x\nModuleNotFoundError: No module named 'torch'\n  \n") == \
+        "ModuleNotFoundError: No module named 'torch'"
+
+
 # ----------------------------------------------------------------------------- the file
 
 def _doc():
