@@ -309,6 +309,7 @@ class ServerMemory:
         self._nvml = _nvml() if gpus else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._mine: set[int] | None = None  # the server's processes, read once per sync
         self.base = self.peak = None
 
     def read(self) -> int | None:
@@ -316,7 +317,7 @@ class ServerMemory:
             return None
         procs, device = self._query()
         if procs is not None:
-            mine = self.pids()
+            mine = self._mine if self._mine is not None else self.pids()
             if mine & set(procs):
                 self.method = "process"
                 return sum(v for p, v in procs.items() if p in mine)
@@ -337,6 +338,7 @@ class ServerMemory:
         return _nvidia_smi(self.gpus)
 
     def start(self) -> None:
+        self._mine = self.pids() if self.gpus else set()
         self.base = self.peak = self.read()
         if self.base is None:
             return
@@ -695,9 +697,11 @@ class BenchRun:
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {e}"
                 failed = True
+                self.progress.done += 1 + self.plan.warm - (rec["cold"] is not None) \
+                    - len(rec["warm"])  # the syncs it will not make
                 self.progress.note(f"{rec['backend']} {gb:g} GB: FAILED: {str(e).splitlines()[0]}")
-                # a failed sync leaves the server's weights and group unknown: the trainer
-                # is gone; the server is not reused by a later case of another wave
+                # the failed trainer is gone (its group's state is unknown); the server's
+                # other variant still gets its turn, with a trainer of its own
             self.save()
         for cfg in wave:
             pool.release(cfg)
