@@ -53,8 +53,13 @@ class ServerClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._model = model
-        self._context = context or (lambda: "")
+        self._context_of = context or (lambda: "")
         self.session = requests.Session()
+
+    def context(self) -> str:
+        """What to append to an error about this server (its log tail, its version);
+        "" when the creator gave nothing."""
+        return self._context_of()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, route: str, *, json_body: Any = None, params: dict | None = None,
@@ -65,13 +70,13 @@ class ServerClient:
         except requests.Timeout:
             raise ControlPlaneError(route, json_body if json_body is not None else params,
                                     f"no answer within {timeout or self.timeout:.0f}s",
-                                    context=self._context()) from None
+                                    context=self.context()) from None
         except requests.RequestException as e:
             raise ControlPlaneError(route, json_body if json_body is not None else params,
-                                    f"{type(e).__name__}: {e}", context=self._context()) from None
+                                    f"{type(e).__name__}: {e}", context=self.context()) from None
         if r.status_code not in ok:
             raise ControlPlaneError(route, json_body if json_body is not None else params,
-                                    r.text[:2000], r.status_code, context=self._context())
+                                    r.text[:2000], r.status_code, context=self.context())
         try:
             return r.json()
         except ValueError:
@@ -103,10 +108,14 @@ class ServerClient:
     def openapi(self) -> dict:
         return self._call("GET", "/openapi.json")
 
+    def world_size(self) -> int:
+        """``GET /get_world_size``: how many worker ranks the server runs."""
+        return int(self._call("GET", "/get_world_size")["world_size"])
+
     def clone(self) -> "ServerClient":
         """A client for the same server with its own HTTP session (one per thread)."""
         return ServerClient(self.url, timeout=self.timeout, model=self._model,
-                            context=self._context)
+                            context=self._context_of)
 
     # ------------------------------------------------------------------ pause / resume
     def pause(self, mode: str | None = None, timeout: float | None = None, **params: Any) -> Any:
@@ -172,11 +181,11 @@ class ServerClient:
                                   timeout=(min(t, 30.0), t))
         except requests.RequestException as e:
             raise ControlPlaneError(route, body, f"{type(e).__name__}: {e}",
-                                    context=self._context()) from None
+                                    context=self.context()) from None
         with r:
             if r.status_code != 200:
                 raise ControlPlaneError(route, body, r.text[:2000], r.status_code,
-                                        context=self._context())
+                                        context=self.context())
             finished = done = False
             try:
                 # chunk_size=None: hand over each HTTP chunk as it arrives (a fixed size
@@ -184,7 +193,7 @@ class ServerClient:
                 for line in r.iter_lines(chunk_size=None, decode_unicode=True):
                     if deadline is not None and time.monotonic() > deadline:
                         raise ControlPlaneError(route, body, "stream still running at its "
-                                                "deadline", context=self._context())
+                                                "deadline", context=self.context())
                     if not line or not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
@@ -194,7 +203,7 @@ class ServerClient:
                     ev = json.loads(data)
                     if "error" in ev and not ev.get("choices"):
                         raise ControlPlaneError(route, body, f"error event: {ev['error']}",
-                                                context=self._context())
+                                                context=self.context())
                     for ch in ev.get("choices") or []:
                         fr = ch.get("finish_reason")
                         finished = finished or fr is not None
@@ -202,11 +211,11 @@ class ServerClient:
                                           fr, time.monotonic())
             except requests.RequestException as e:
                 raise ControlPlaneError(route, body, f"stream broke: {type(e).__name__}: {e}",
-                                        context=self._context()) from None
+                                        context=self.context()) from None
             if not finished and (require_finish or not done):
                 raise ControlPlaneError(route, body, "stream ended without a finish_reason "
                                         + ("([DONE] received)" if done else
-                                           "(cut off: no [DONE])"), context=self._context())
+                                           "(cut off: no [DONE])"), context=self.context())
 
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 5,
                         timeout: float | None = None) -> list[dict[int, float]]:
@@ -218,7 +227,7 @@ class ServerClient:
         plp = out["choices"][0].get("prompt_logprobs")
         if plp is None:
             raise ControlPlaneError("/v1/completions", body, "no prompt_logprobs in the answer",
-                                    context=self._context())
+                                    context=self.context())
         return [None if d is None else {int(k): float(v["logprob"]) for k, v in d.items()}
                 for d in plp]
 

@@ -64,7 +64,7 @@ LEGACY_FLAGS: dict[str, str] = {"wait_for_inflight_requests": "drained"}
 
 
 def _fail(msg: str, client: ServerClient | None = None) -> PauseCheckFailure:
-    ctx = client._context() if client is not None else ""
+    ctx = client.context() if client is not None else ""
     return PauseCheckFailure(msg + ("\n" + ctx if ctx else ""))
 
 
@@ -935,7 +935,7 @@ def check_concurrent_pause_cycles(client: ServerClient, prompts: Sequence[Sequen
         cl["completed_while_paused"] = sum(1 for r in caught if r.done_at <= tr
                                            and r.finish_reason == "length")
     if not any(cl["held_across"] + cl["aborted"] for cl in cycle_log):
-        ctx = client._context()
+        ctx = client.context()
         raise NothingCaught(f"no request was held across or aborted by any of the {cycles} pauses "
                     f"({len(reqs)} requests): the cycles did not exercise requests in flight; "
                     f"longer requests (max_tokens {max_tokens}) or more clients would. "
