@@ -4,15 +4,27 @@ Every call has a timeout, and every failure raises ``ControlPlaneError`` naming
 the route, the request, the status, the body and (when known) the vLLM version
 and the server's log tail. It implements vLLM's ``VLLMWeightSyncClient``
 protocol (four methods), so vLLM's own trainer engines can drive it.
+
+The control plane and the parity probes (which need fields only vLLM has) are
+plain HTTP. Rollouts, as RL frameworks send them, go through the official
+``openai`` SDK: ``openai_sdk()`` and ``async_openai_sdk()`` give clients for this
+server that never retry and always time out.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import requests
+
+if TYPE_CHECKING:
+    import openai
+
+# vLLM started without --api-key ignores the key; the SDK refuses to run without one.
+SDK_API_KEY = "EMPTY"
 
 
 class ControlPlaneError(RuntimeError):
@@ -35,16 +47,6 @@ class Completion:
     logprobs: list[float] | None = None
 
 
-@dataclass
-class StreamChunk:
-    """One event of a streamed completion (``ServerClient.stream``)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    at: float  # time.monotonic() when it arrived
-
-
 class ServerClient:
     """Talks to ``url``. ``context`` returns text appended to errors (the log tail)."""
 
@@ -55,6 +57,8 @@ class ServerClient:
         self._model = model
         self._context_of = context or (lambda: "")
         self.session = requests.Session()
+        self._sdk: "openai.OpenAI | None" = None
+        self._sdk_lock = threading.Lock()
 
     def context(self) -> str:
         """What to append to an error about this server (its log tail, its version);
@@ -159,64 +163,6 @@ class ServerClient:
                           finish_reason=ch.get("finish_reason"),
                           logprobs=lp.get("token_logprobs"))
 
-    def stream(self, prompt: str | list[int], *, max_tokens: int = 16,
-               timeout: float | None = None, deadline: float | None = None,
-               require_finish: bool = True, **extra: Any) -> Iterator[StreamChunk]:
-        """Greedy streaming completion: yields one ``StreamChunk`` per server event
-        (token ids and text, ``finish_reason`` on the last). ``timeout`` bounds the
-        connection and every gap between events; ``deadline`` (time.monotonic())
-        bounds the whole stream. An error event, a stream cut off before ``[DONE]``
-        or a blown bound raises ``ControlPlaneError``; so does a ``[DONE]`` without
-        any finish_reason, unless ``require_finish`` is false (then the generator
-        just ends: vLLM ends a stream aborted before its first token that way)."""
-        import time
-
-        body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
-                "stream": True, **extra}
-        t = timeout or self.timeout
-        route = "/v1/completions (stream)"
-        try:
-            r = self.session.post(self.url + "/v1/completions", json=body, stream=True,
-                                  timeout=(min(t, 30.0), t))
-        except requests.RequestException as e:
-            raise ControlPlaneError(route, body, f"{type(e).__name__}: {e}",
-                                    context=self.context()) from None
-        with r:
-            if r.status_code != 200:
-                raise ControlPlaneError(route, body, r.text[:2000], r.status_code,
-                                        context=self.context())
-            finished = done = False
-            try:
-                # chunk_size=None: hand over each HTTP chunk as it arrives (a fixed size
-                # would sit on a last partial event, e.g. while the server is paused)
-                for line in r.iter_lines(chunk_size=None, decode_unicode=True):
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise ControlPlaneError(route, body, "stream still running at its "
-                                                "deadline", context=self.context())
-                    if not line or not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    ev = json.loads(data)
-                    if "error" in ev and not ev.get("choices"):
-                        raise ControlPlaneError(route, body, f"error event: {ev['error']}",
-                                                context=self.context())
-                    for ch in ev.get("choices") or []:
-                        fr = ch.get("finish_reason")
-                        finished = finished or fr is not None
-                        yield StreamChunk(list(ch.get("token_ids") or []), ch.get("text") or "",
-                                          fr, time.monotonic())
-            except requests.RequestException as e:
-                raise ControlPlaneError(route, body, f"stream broke: {type(e).__name__}: {e}",
-                                        context=self.context()) from None
-            if not finished and (require_finish or not done):
-                raise ControlPlaneError(route, body, "stream ended without a finish_reason "
-                                        + ("([DONE] received)" if done else
-                                           "(cut off: no [DONE])"), context=self.context())
-
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 5,
                         timeout: float | None = None) -> list[dict[int, float]]:
         """Teacher-forced scoring: for each position i >= 1, {token_id: logprob} holding
@@ -235,3 +181,26 @@ class ServerClient:
         return self._call("POST", "/tokenize",
                           json_body={"model": self.model(), "prompt": text,
                                      "add_special_tokens": False})["tokens"]
+
+    # ------------------------------------------------------------------ the openai SDK
+    def openai_sdk(self) -> "openai.OpenAI":
+        """The official SDK's client for this server's OpenAI routes, as an RL framework
+        holds one: made once, then shared by every thread (it is thread-safe, and making
+        one costs tens of milliseconds: too slow to do per request when the request's
+        timing is what a check reads). ``max_retries=0`` (a retry would hide a refused
+        request); its default timeout is this client's, and callers pass their own."""
+        import openai
+
+        with self._sdk_lock:
+            if self._sdk is None:
+                self._sdk = openai.OpenAI(base_url=self.url + "/v1", api_key=SDK_API_KEY,
+                                          max_retries=0, timeout=self.timeout)
+            return self._sdk
+
+    def async_openai_sdk(self, *, timeout: float | None = None) -> "openai.AsyncOpenAI":
+        """The SDK's asyncio client, configured as ``openai_sdk``; a new one per call,
+        since it belongs to the event loop it runs on (close it: ``async with``)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=SDK_API_KEY,
+                                  max_retries=0, timeout=timeout or self.timeout)

@@ -57,7 +57,7 @@ from typing import Any
 
 from . import benchfile, parity
 from .facts import UnknownDtype, canonical_dtype
-from .pause_checks import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
+from .pause.openapi import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
 
 REGRESSION, WARN, INFO = "REGRESSION", "warn", "info"
 LEVELS = (REGRESSION, WARN, INFO)

@@ -1,8 +1,9 @@
-"""Self-tests of harness/pause_checks.py: every check passes against a well-behaved
-stand-in server and fails against one that breaks exactly the behaviour it checks.
+"""Self-tests of harness/pause/: every check passes against a well-behaved stand-in
+server and fails against one that breaks exactly the behaviour it checks.
 
 The stand-in (harness/standin.py) is a pure-Python HTTP server on 127.0.0.1; no
-vLLM is involved, so these run in seconds and on any machine.
+vLLM is involved, so these run in seconds and on any machine. Requests go through
+the openai SDK, as against a real server.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import time
 
 import pytest
 
-from harness import pause_checks as pc
 from harness.client import ServerClient
+from harness.pause import PauseCheckFailure
+from harness.pause import checks as pc
+from harness.pause.openapi import discover_pause_api, pause_capabilities, read_pause_api
 from harness.standin import MISBEHAVIOURS, StandinServer
 
 pytestmark = pytest.mark.selftest
@@ -99,10 +102,14 @@ BROKEN = [
 ]
 
 
+def _client(s: StandinServer, **kw) -> ServerClient:
+    return ServerClient(s.url, **{"timeout": 10.0, "context": s.describe, **kw})
+
+
 def _run(check: str, misbehave: set[str], **standin_kw):
     with StandinServer(misbehave=misbehave, step_s=STEP_S, **standin_kw) as s:
-        c = ServerClient(s.url, timeout=10.0, context=s.describe)
-        return CHECKS[check](c, pc.discover_pause_api(c), s)
+        c = _client(s)
+        return CHECKS[check](c, discover_pause_api(c), s)
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
@@ -114,8 +121,22 @@ def test_check_passes_on_a_correct_standin(check):
 @pytest.mark.parametrize("misbehaviour,check,message", BROKEN,
                          ids=[f"{m}-{c}" for m, c, _ in BROKEN])
 def test_check_fails_on_a_broken_standin(misbehaviour, check, message):
-    with pytest.raises(pc.PauseCheckFailure, match=message):
+    with pytest.raises(PauseCheckFailure, match=message) as e:
         _run(check, {misbehaviour})
+    assert "stand-in at http://127.0.0.1" in str(e.value), "the failure lacks the server context"
+
+
+def test_requests_go_through_the_openai_sdk_sync_and_async():
+    """What SDK users see is what the checks see: the in-flight requests through
+    ``openai.OpenAI``, the concurrent rollouts through ``openai.AsyncOpenAI``; vLLM's
+    token ids only because the driver asks for them (``extra_body``)."""
+    with StandinServer(step_s=STEP_S) as s:
+        c = _client(s)
+        api = discover_pause_api(c)
+        CHECKS["inflight_keep"](c, api, s)
+        CHECKS["concurrency"](c, api, s)
+        kinds = {ua.split("/")[0] for ua in s.user_agents}
+    assert kinds == {"OpenAI", "AsyncOpenAI"}, s.user_agents
 
 
 def test_every_misbehaviour_is_caught():
@@ -127,7 +148,7 @@ def test_missing_finish_reason_is_told_apart():
     defect); any other failure of the check must stay a failure."""
     with pytest.raises(pc.MissingFinishReason):
         _run("abort_reports_finish", {"abort_drops_stream_finish"})
-    with pytest.raises(pc.PauseCheckFailure) as e:
+    with pytest.raises(PauseCheckFailure) as e:
         _run("abort_reports_finish", {"pause_ignores_new"})
     assert not isinstance(e.value, pc.MissingFinishReason)
 
@@ -135,8 +156,8 @@ def test_missing_finish_reason_is_told_apart():
 def test_undocumented_behaviour_is_recorded_not_judged():
     """A mode the harness does not know: observed, classified, no verdict."""
     with StandinServer(step_s=STEP_S, modes=("abort", "wait", "keep", "sometime")) as s:
-        c = ServerClient(s.url, timeout=10.0)
-        api = pc.discover_pause_api(c)
+        c = _client(s)
+        api = discover_pause_api(c)
         sometime = api.style("sometime")
         assert sometime is not None and sometime.expect is None
         obs = pc.check_inflight_under_pause(c, sometime, PROMPT, **{**INFLIGHT, "attempts": 1})
@@ -146,8 +167,8 @@ def test_undocumented_behaviour_is_recorded_not_judged():
 def test_legacy_pause_flags_discovered():
     """Older vLLM: no ``mode``; ``wait_for_inflight_requests=true`` asks for a drain."""
     with StandinServer(step_s=STEP_S, modes=(), legacy_wait_flag=True) as s:
-        c = ServerClient(s.url, timeout=10.0)
-        api = pc.discover_pause_api(c)
+        c = _client(s)
+        api = discover_pause_api(c)
         assert [x.name for x in api.styles()] == ["default", "wait_for_inflight_requests"]
         assert set(api.bool_params) == {"wait_for_inflight_requests", "clear_cache"}
         obs = pc.check_inflight_under_pause(c, api.style("wait_for_inflight_requests"), PROMPT,
@@ -156,16 +177,9 @@ def test_legacy_pause_flags_discovered():
         pc.check_invalid_pause_params(c, api, timeout=10.0)
 
 
-class _Spec:
-    def __init__(self, spec):
-        self.spec = spec
-
-    def openapi(self):
-        return self.spec
-
-
 def test_discovery_reads_refs_and_anyof():
-    """FastAPI writes an enum inline, through $ref, or in anyOf (Optional[...])."""
+    """FastAPI writes an enum inline, through $ref (a default may sit next to it), or
+    in anyOf (Optional[...]); the run report's capability probe reads the same."""
     spec = {"paths": {"/resume": {}, "/is_paused": {}, "/pause": {"post": {"parameters": [
         {"name": "mode", "in": "query", "schema": {"anyOf": [
             {"$ref": "#/components/schemas/PauseMode"}, {"type": "null"}], "default": "abort"}},
@@ -173,8 +187,14 @@ def test_discovery_reads_refs_and_anyof():
                                                                     {"type": "null"}]}},
     ]}}}, "components": {"schemas": {"PauseMode": {"enum": ["abort", "wait", "keep"],
                                                    "type": "string"}}}}
-    api = pc.discover_pause_api(_Spec(spec))
+    api = read_pause_api(spec)
     assert api.modes == ["abort", "wait", "keep"] and api.default_mode == "abort"
     assert api.bool_params == ["clear_cache"]
-    with pytest.raises(pc.PauseCheckFailure, match="not in the server's /openapi.json"):
-        pc.discover_pause_api(_Spec({"paths": {"/pause": {}}}))
+    assert pause_capabilities(spec) == {"route": True, "modes": api.modes, "default": "abort",
+                                        "params": ["clear_cache", "mode"]}
+    mode = spec["paths"]["/pause"]["post"]["parameters"][0]
+    mode["schema"] = {"$ref": "#/components/schemas/PauseMode", "default": "keep"}
+    assert read_pause_api(spec).default_mode == "keep"
+    with pytest.raises(PauseCheckFailure, match="not in the server's /openapi.json"):
+        read_pause_api({"paths": {"/pause": {}}})
+    assert pause_capabilities({"paths": {"/pause": {}}})["route"] is False

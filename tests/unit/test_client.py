@@ -53,6 +53,16 @@ def test_world_size_and_context(server):
         c.is_paused()
 
 
+def test_sdk_clients_never_retry_and_always_time_out(server):
+    """A retry would hide a refused request; an unbounded wait would hang a check."""
+    c = ServerClient(server, timeout=7)
+    for sdk in (c.openai_sdk(), c.async_openai_sdk(), c.async_openai_sdk(timeout=3)):
+        assert sdk.max_retries == 0 and sdk.timeout in (7, 3)
+        assert str(sdk.base_url).rstrip("/") == server + "/v1"
+    assert c.openai_sdk() is c.openai_sdk(), "made once, shared by the request threads"
+    assert c.clone().openai_sdk() is not c.openai_sdk()
+
+
 def test_no_module_uses_a_private_member_of_a_client():
     offenders = []
     for path in sorted(Path(harness.__file__).parent.rglob("*.py")):

@@ -234,8 +234,10 @@ def test_pause_capabilities_forms():
     assert report.pause_capabilities(OPENAPI) == {
         "route": True, "modes": ["abort", "wait", "keep"], "default": "abort",
         "params": ["clear_cache", "mode"]}
-    inline = {"paths": {"/pause": {"post": {"parameters": [{"name": "mode", "schema": {
-        "anyOf": [{"enum": ["abort", "wait"]}, {"type": "null"}], "default": "abort"}}]}}}}
+    # read by harness.pause.openapi, as the pause checks read it: query parameters only
+    mode = {"name": "mode", "in": "query", "schema": {
+        "anyOf": [{"enum": ["abort", "wait"]}, {"type": "null"}], "default": "abort"}}
+    inline = {"paths": {"/pause": {"post": {"parameters": [mode]}}}}
     assert report.pause_capabilities(inline)["modes"] == ["abort", "wait"]
     assert report.pause_capabilities({"paths": {}}) == {"route": False, "modes": [],
                                                         "default": None, "params": []}
