@@ -20,23 +20,37 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import requests
 
+from .facts import WaitTimeout, wait_until
+
 if TYPE_CHECKING:
     import openai
 
+# How long /is_paused may take to follow a /pause or /resume that answered 200.
+STATE_CONFIRM_S = 10.0
 # vLLM started without --api-key ignores the key; the SDK refuses to run without one.
 SDK_API_KEY = "EMPTY"
 
 
 class ControlPlaneError(RuntimeError):
+    """A route failed. ``headline`` replaces the default first line
+    (``<route> failed with HTTP <status>: <detail>``)."""
+
     def __init__(self, route: str, request: Any, detail: str, status: int | None = None,
-                 context: str = ""):
+                 context: str = "", *, headline: str | None = None):
         self.route, self.status, self.detail = route, status, detail
         req = json.dumps(request, default=str)
         if len(req) > 600:
             req = req[:600] + f"... ({len(req)} chars)"
-        msg = f"{route} failed" + (f" with HTTP {status}" if status else "") + f": {detail}\n" \
-              f"request: {req}"
+        head = headline or (f"{route} failed" + (f" with HTTP {status}" if status else "")
+                            + f": {detail}")
+        msg = f"{head}\nrequest: {req}"
         super().__init__(msg + ("\n" + context if context else ""))
+
+
+class PauseStateError(ControlPlaneError):
+    """``/pause`` or ``/resume`` answered 200, but ``/is_paused`` did not follow within
+    seconds: the route claimed a change it did not make (or /is_paused is wrong). Named
+    at once, instead of as a request that never comes back minutes later."""
 
 
 @dataclass
@@ -48,12 +62,15 @@ class Completion:
 
 
 class ServerClient:
-    """Talks to ``url``. ``context`` returns text appended to errors (the log tail)."""
+    """Talks to ``url``. ``context`` returns text appended to errors (the log tail).
+    ``confirm_timeout`` bounds how long ``pause``/``resume`` wait for /is_paused."""
 
     def __init__(self, url: str, *, timeout: float = 300.0, model: str | None = None,
-                 context: Callable[[], str] | None = None):
+                 context: Callable[[], str] | None = None,
+                 confirm_timeout: float = STATE_CONFIRM_S):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.confirm_timeout = confirm_timeout
         self._model = model
         self._context_of = context or (lambda: "")
         self.session = requests.Session()
@@ -119,20 +136,54 @@ class ServerClient:
     def clone(self) -> "ServerClient":
         """A client for the same server with its own HTTP session (one per thread)."""
         return ServerClient(self.url, timeout=self.timeout, model=self._model,
-                            context=self._context_of)
+                            context=self._context_of, confirm_timeout=self.confirm_timeout)
 
     # ------------------------------------------------------------------ pause / resume
-    def pause(self, mode: str | None = None, timeout: float | None = None, **params: Any) -> Any:
+    def pause(self, mode: str | None = None, timeout: float | None = None, *,
+              confirm: bool = True, **params: Any) -> Any:
+        """``POST /pause`` (``mode`` and any other query parameters). With ``confirm``
+        it returns only once /is_paused says true, and raises ``PauseStateError``
+        naming /pause if it does not within ``confirm_timeout``. ``confirm=False``
+        is for tests that study the route's raw answer (idempotency, bad input)."""
         q = dict(params)
         if mode is not None:
             q["mode"] = mode
-        return self._call("POST", "/pause", params=q, timeout=timeout)
+        answer = self._call("POST", "/pause", params=q, timeout=timeout)
+        if confirm:
+            self._confirm_paused("/pause", q, True)
+        return answer
 
-    def resume(self, timeout: float | None = None) -> Any:
-        return self._call("POST", "/resume", timeout=timeout)
+    def resume(self, timeout: float | None = None, *, confirm: bool = True) -> Any:
+        """``POST /resume``; with ``confirm``, returns only once /is_paused says false
+        (else ``PauseStateError`` naming /resume, within ``confirm_timeout``)."""
+        answer = self._call("POST", "/resume", timeout=timeout)
+        if confirm:
+            self._confirm_paused("/resume", None, False)
+        return answer
 
-    def is_paused(self) -> bool:
-        return bool(self._call("GET", "/is_paused")["is_paused"])
+    def is_paused(self, timeout: float | None = None) -> bool:
+        return bool(self._call("GET", "/is_paused", timeout=timeout)["is_paused"])
+
+    def _confirm_paused(self, route: str, request: Any, expected: bool) -> None:
+        # A /resume that answers 200 and leaves the server paused was once caught only
+        # as the next request's "no answer within 300s": name the route that lied.
+        said: list[bool] = []
+
+        def follows() -> bool:
+            said.append(self.is_paused(timeout=self.confirm_timeout))
+            return said[-1] == expected
+
+        try:
+            wait_until(follows, timeout=self.confirm_timeout, interval=0.1,
+                       what=f"/is_paused to say {str(expected).lower()} after {route}")
+        except WaitTimeout as e:
+            seen = (f"still says {str(said[-1]).lower()}" if said
+                    else f"gave no answer ({e})")
+            raise PauseStateError(
+                route, request, f"/is_paused {seen}",
+                headline=f"{route} returned 200 but /is_paused {seen} after "
+                         f"{self.confirm_timeout:g}s",
+                context=self.context()) from None
 
     # ------------------------------------------------------------------ VLLMWeightSyncClient
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:

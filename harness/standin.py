@@ -41,6 +41,8 @@ MISBEHAVIOURS: dict[str, str] = {
     "wait_returns_early": "mode=wait answers at once and lets requests generate while paused",
     "abort_ignored": "mode=abort lets in-flight requests finish (like wait)",
     "is_paused_lies": "/is_paused always says false",
+    "pause_does_nothing": "/pause answers 200 and does nothing: not paused, requests run on",
+    "resume_does_nothing": "/resume answers 200 and does nothing: still paused, requests held",
     "double_pause_errors": "/pause while paused answers 409",
     "resume_unpaused_errors": "/resume while not paused answers 500",
     "invalid_mode_accepted": "an unknown mode is accepted (and pauses, as abort)",
@@ -289,7 +291,8 @@ class _Handler(BaseHTTPRequestHandler):
             if s.pause_mode is None and "resume_unpaused_errors" in s.misbehave:
                 self._json(500, {"error": "not paused"})
                 return
-            s.resume()
+            if "resume_does_nothing" not in s.misbehave:
+                s.resume()
             self._json(200, {"status": "resumed"})
         elif u.path == "/_standin/update_weights":
             s.update_weights(int(body.get("seed", 0)))
@@ -319,7 +322,8 @@ class _Handler(BaseHTTPRequestHandler):
         if s.pause_mode is not None and "double_pause_errors" in s.misbehave:
             self._json(409, {"error": "already paused"})
             return
-        s.pause(mode)
+        if "pause_does_nothing" not in s.misbehave:
+            s.pause(mode)
         self._json(200, {"status": "paused"})
 
     def _completions(self, body: dict) -> None:

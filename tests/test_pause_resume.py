@@ -4,7 +4,7 @@ Pause modes are discovered from the server's /openapi.json, never assumed; each
 check lives in harness/pause/checks.py, where the self-tests
 (tests/test_pause_selftest.py) also run it against a misbehaving stand-in. Requests
 go through the official openai SDK (harness/pause/driver.py), as RL frameworks send
-them.
+them; every /pause and /resume is confirmed on /is_paused within seconds.
 What differs between vLLM versions is recorded (``harness.record``), and asserted
 only where it is a documented contract or must hold on every version.
 """

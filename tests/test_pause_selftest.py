@@ -1,5 +1,6 @@
 """Self-tests of harness/pause/: every check passes against a well-behaved stand-in
-server and fails against one that breaks exactly the behaviour it checks.
+server and fails against one that breaks exactly the behaviour it checks; so do the
+/is_paused confirmations of ``ServerClient.pause``/``resume``.
 
 The stand-in (harness/standin.py) is a pure-Python HTTP server on 127.0.0.1; no
 vLLM is involved, so these run in seconds and on any machine. Requests go through
@@ -8,11 +9,12 @@ the openai SDK, as against a real server.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 
-from harness.client import ServerClient
+from harness.client import STATE_CONFIRM_S, PauseStateError, ServerClient
 from harness.pause import PauseCheckFailure
 from harness.pause import checks as pc
 from harness.pause.openapi import discover_pause_api, pause_capabilities, read_pause_api
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.selftest
 PROMPT = [5, 6, 7, 8, 9]
 OTHER_PROMPTS = [PROMPT, [11, 12, 13], [42, 1, 99, 7]]
 STEP_S = 0.004      # per token: 300 tokens take ~1.2 s, long against settle_seconds
+CONFIRM_S = 2.0     # /is_paused must follow /pause and /resume within this (here)
 # Timeouts are generous: on a loaded machine the stand-in itself slows down. Checks
 # that must detect a hang get their own short bounds (the *_hang entries below).
 INFLIGHT = dict(max_tokens=300, hold_seconds=1.5, settle_seconds=0.6, timeout=10.0, attempts=3)
@@ -73,7 +76,9 @@ CHECKS = {
         c, api.style("abort"), PROMPT, first=api.style("keep"), hold_seconds=0.5, timeout=10.0),
 }
 
-# misbehaviour -> (check that must catch it, what its failure must say)
+# misbehaviour -> (check that must catch it, what its failure must say); a check
+# failure is a PauseCheckFailure, a route that lied about the state a PauseStateError
+LIED = "returned 200 but /is_paused still says"
 BROKEN = [
     ("pause_ignores_new", "waits_for_resume", "did not wait for /resume"),
     ("pause_ignores_new", "waits_for_resume_keep", "did not wait for /resume"),
@@ -87,7 +92,15 @@ BROKEN = [
     ("wait_returns_early", "inflight_wait", "kept generating while paused"),
     ("abort_ignored", "inflight_abort", r"drained .*expected aborted"),
     ("is_paused_lies", "state_machine", "/is_paused says False"),
-    ("is_paused_lies", "waits_for_resume", "/is_paused says False"),
+    ("is_paused_lies", "waits_for_resume", f"^/pause {LIED} false"),
+    ("pause_does_nothing", "waits_for_resume", f"^/pause {LIED} false after {CONFIRM_S:g}s"),
+    ("pause_does_nothing", "inflight_keep", f"^/pause {LIED} false"),
+    ("pause_does_nothing", "weight_update_wait", f"^/pause {LIED} false"),
+    ("pause_does_nothing", "state_machine", r"after pause \(abort\), /is_paused says False"),
+    ("resume_does_nothing", "waits_for_resume", f"^/resume {LIED} true after {CONFIRM_S:g}s"),
+    ("resume_does_nothing", "inflight_abort", f"^/resume {LIED} true"),
+    ("resume_does_nothing", "concurrency", f"^/resume {LIED} true"),
+    ("resume_does_nothing", "state_machine", r"after resume, /is_paused says True"),
     ("double_pause_errors", "state_machine", r"again answered HTTP 409"),
     ("resume_unpaused_errors", "state_machine", r"resume without a pause answered HTTP 500"),
     ("invalid_mode_accepted", "invalid_params", "expected a 4xx"),
@@ -103,7 +116,8 @@ BROKEN = [
 
 
 def _client(s: StandinServer, **kw) -> ServerClient:
-    return ServerClient(s.url, **{"timeout": 10.0, "context": s.describe, **kw})
+    return ServerClient(s.url, **{"timeout": 10.0, "context": s.describe,
+                                  "confirm_timeout": CONFIRM_S, **kw})
 
 
 def _run(check: str, misbehave: set[str], **standin_kw):
@@ -121,7 +135,8 @@ def test_check_passes_on_a_correct_standin(check):
 @pytest.mark.parametrize("misbehaviour,check,message", BROKEN,
                          ids=[f"{m}-{c}" for m, c, _ in BROKEN])
 def test_check_fails_on_a_broken_standin(misbehaviour, check, message):
-    with pytest.raises(PauseCheckFailure, match=message) as e:
+    expected = PauseStateError if LIED in message else PauseCheckFailure
+    with pytest.raises(expected, match=message) as e:
         _run(check, {misbehaviour})
     assert "stand-in at http://127.0.0.1" in str(e.value), "the failure lacks the server context"
 
@@ -198,3 +213,47 @@ def test_discovery_reads_refs_and_anyof():
     with pytest.raises(PauseCheckFailure, match="not in the server's /openapi.json"):
         read_pause_api({"paths": {"/pause": {}}})
     assert pause_capabilities({"paths": {"/pause": {}}})["route"] is False
+
+
+# ----------------------------------------------------------------------------- confirmations
+
+def test_pause_and_resume_are_confirmed_on_is_paused():
+    """On a correct server each call returns once /is_paused agrees; ``confirm=False``
+    sends the route alone (for tests of its raw answer)."""
+    with StandinServer(step_s=STEP_S) as s:
+        c = _client(s)
+        c.pause(mode="keep")
+        assert s.pause_mode == "keep" and s.counts["/is_paused"] == 1
+        c.resume()
+        assert s.pause_mode is None and s.counts["/is_paused"] == 2
+        c.pause(mode="abort", confirm=False)
+        c.resume(confirm=False)
+        assert s.counts["/is_paused"] == 2
+
+
+@pytest.mark.parametrize("misbehaviour,route,still", [("resume_does_nothing", "/resume", "true"),
+                                                      ("pause_does_nothing", "/pause", "false")])
+def test_a_route_that_lies_is_named_within_seconds(misbehaviour, route, still):
+    """Issue 12 item 7. A build of vLLM whose /resume did nothing was caught only as
+    "/v1/completions: no answer within 300s", five minutes later. With the request
+    bounds of a real run (300 s), the check now fails within the confirmation bound
+    (10 s) and names the route that lied."""
+    with StandinServer(misbehave={misbehaviour}, step_s=STEP_S) as s:
+        c = ServerClient(s.url, timeout=300.0, context=s.describe)
+        t = time.monotonic()
+        with pytest.raises(PauseStateError) as e:
+            pc.check_request_waits_for_resume(c, PROMPT, hold_seconds=1.0, max_tokens=16,
+                                              timeout=300.0)
+        took = time.monotonic() - t
+    assert re.match(f"{re.escape(route)} returned 200 but /is_paused still says {still} after "
+                    f"{STATE_CONFIRM_S:g}s", str(e.value)), str(e.value)
+    assert e.value.route == route and "no answer within" not in str(e.value)
+    assert STATE_CONFIRM_S <= took < STATE_CONFIRM_S + 15, took
+
+
+def test_unconfirmed_calls_leave_the_lie_to_the_caller():
+    with StandinServer(misbehave={"resume_does_nothing"}, step_s=STEP_S) as s:
+        c = _client(s)
+        c.pause(mode="abort")
+        c.resume(confirm=False)
+        assert c.is_paused()

@@ -32,8 +32,9 @@ class PauseStyle:
     params: tuple[tuple[str, str], ...]
     expect: str | None  # documented class of in-flight requests, None if undocumented
 
-    def pause(self, client: "ServerClient", timeout: float | None = None) -> Any:
-        return client.pause(timeout=timeout, **dict(self.params))
+    def pause(self, client: "ServerClient", timeout: float | None = None, *,
+              confirm: bool = True) -> Any:
+        return client.pause(timeout=timeout, confirm=confirm, **dict(self.params))
 
     def __str__(self) -> str:
         return self.name

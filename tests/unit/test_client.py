@@ -53,6 +53,26 @@ def test_world_size_and_context(server):
         c.is_paused()
 
 
+def test_a_route_that_fails_is_not_blamed_on_is_paused(server):
+    """/pause answering 404 is the route's own error, raised before any confirmation."""
+    c = ServerClient(server, timeout=5, confirm_timeout=1)
+    with pytest.raises(ControlPlaneError, match="^/pause failed with HTTP 404"):
+        c.pause(mode="abort")
+
+
+def test_an_unanswered_confirmation_names_the_route(server):
+    """/resume answers 200 but /is_paused only errors: the route is named, with the
+    last error /is_paused gave."""
+    _Handler.routes["/resume"] = (200, {})
+    try:
+        c = ServerClient(server, timeout=5, confirm_timeout=1)
+        with pytest.raises(ControlPlaneError, match="(?s)^/resume returned 200 but /is_paused "
+                                                    "gave no answer .*HTTP 500.* after 1s"):
+            c.resume()
+    finally:
+        del _Handler.routes["/resume"]
+
+
 def test_sdk_clients_never_retry_and_always_time_out(server):
     """A retry would hide a refused request; an unbounded wait would hang a check."""
     c = ServerClient(server, timeout=7)
