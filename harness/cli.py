@@ -8,6 +8,8 @@ import sys
 
 # name: (module, help)
 COMMANDS = {
+    "bench": ("harness.bench", "how fast weight syncs are, per backend and model size, against "
+                               "the raw limit of their data path"),
     "demo": ("harness.demo", "the seed flow, narrated and asserted, against a real server"),
     "diff": ("harness.diff", "compare two JSON reports; non-zero exit when something regressed"),
     "repro": ("harness.repro", "run one scenario step by step; --emit writes a standalone script"),

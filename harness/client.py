@@ -4,27 +4,53 @@ Every call has a timeout, and every failure raises ``ControlPlaneError`` naming
 the route, the request, the status, the body and (when known) the vLLM version
 and the server's log tail. It implements vLLM's ``VLLMWeightSyncClient``
 protocol (four methods), so vLLM's own trainer engines can drive it.
+
+The control plane and the parity probes (which need fields only vLLM has) are
+plain HTTP. Rollouts, as RL frameworks send them, go through the official
+``openai`` SDK: ``openai_sdk()`` and ``async_openai_sdk()`` give clients for this
+server that never retry and always time out.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import requests
 
+from .facts import WaitTimeout, wait_until
+
+if TYPE_CHECKING:
+    import openai
+
+# How long /is_paused may take to follow a /pause or /resume that answered 200.
+STATE_CONFIRM_S = 10.0
+# vLLM started without --api-key ignores the key; the SDK refuses to run without one.
+SDK_API_KEY = "EMPTY"
+
 
 class ControlPlaneError(RuntimeError):
+    """A route failed. ``headline`` replaces the default first line
+    (``<route> failed with HTTP <status>: <detail>``)."""
+
     def __init__(self, route: str, request: Any, detail: str, status: int | None = None,
-                 context: str = ""):
+                 context: str = "", *, headline: str | None = None):
         self.route, self.status, self.detail = route, status, detail
         req = json.dumps(request, default=str)
         if len(req) > 600:
             req = req[:600] + f"... ({len(req)} chars)"
-        msg = f"{route} failed" + (f" with HTTP {status}" if status else "") + f": {detail}\n" \
-              f"request: {req}"
+        head = headline or (f"{route} failed" + (f" with HTTP {status}" if status else "")
+                            + f": {detail}")
+        msg = f"{head}\nrequest: {req}"
         super().__init__(msg + ("\n" + context if context else ""))
+
+
+class PauseStateError(ControlPlaneError):
+    """``/pause`` or ``/resume`` answered 200, but ``/is_paused`` did not follow within
+    seconds: the route claimed a change it did not make (or /is_paused is wrong). Named
+    at once, instead of as a request that never comes back minutes later."""
 
 
 @dataclass
@@ -35,30 +61,31 @@ class Completion:
     logprobs: list[float] | None = None
 
 
-@dataclass
-class StreamChunk:
-    """One event of a streamed completion (``ServerClient.stream``)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    at: float  # time.monotonic() when it arrived
-
-
 class ServerClient:
     """Talks to ``url``. ``context`` returns text appended to errors (the log tail).
-    ``api_key``: sent with every request as ``Authorization: Bearer <key>``."""
+    ``confirm_timeout`` bounds how long ``pause``/``resume`` wait for /is_paused.
+    ``api_key``: sent with every request as ``Authorization: Bearer <key>`` (and by the
+    SDK clients)."""
 
     def __init__(self, url: str, *, timeout: float = 300.0, model: str | None = None,
-                 context: Callable[[], str] | None = None, api_key: str | None = None):
+                 context: Callable[[], str] | None = None,
+                 confirm_timeout: float = STATE_CONFIRM_S, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.confirm_timeout = confirm_timeout
         self._model = model
-        self._context = context or (lambda: "")
+        self._context_of = context or (lambda: "")
         self.session = requests.Session()
         self.api_key = api_key
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._sdk: "openai.OpenAI | None" = None
+        self._sdk_lock = threading.Lock()
+
+    def context(self) -> str:
+        """What to append to an error about this server (its log tail, its version);
+        "" when the creator gave nothing."""
+        return self._context_of()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, route: str, *, json_body: Any = None, params: dict | None = None,
@@ -69,13 +96,13 @@ class ServerClient:
         except requests.Timeout:
             raise ControlPlaneError(route, json_body if json_body is not None else params,
                                     f"no answer within {timeout or self.timeout:.0f}s",
-                                    context=self._context()) from None
+                                    context=self.context()) from None
         except requests.RequestException as e:
             raise ControlPlaneError(route, json_body if json_body is not None else params,
-                                    f"{type(e).__name__}: {e}", context=self._context()) from None
+                                    f"{type(e).__name__}: {e}", context=self.context()) from None
         if r.status_code not in ok:
             raise ControlPlaneError(route, json_body if json_body is not None else params,
-                                    r.text[:2000], r.status_code, context=self._context())
+                                    r.text[:2000], r.status_code, context=self.context())
         try:
             return r.json()
         except ValueError:
@@ -107,23 +134,62 @@ class ServerClient:
     def openapi(self) -> dict:
         return self._call("GET", "/openapi.json")
 
+    def world_size(self) -> int:
+        """``GET /get_world_size``: how many worker ranks the server runs."""
+        return int(self._call("GET", "/get_world_size")["world_size"])
+
     def clone(self) -> "ServerClient":
         """A client for the same server with its own HTTP session (one per thread)."""
         return ServerClient(self.url, timeout=self.timeout, model=self._model,
-                            context=self._context, api_key=self.api_key)
+                            context=self._context_of, confirm_timeout=self.confirm_timeout,
+                            api_key=self.api_key)
 
     # ------------------------------------------------------------------ pause / resume
-    def pause(self, mode: str | None = None, timeout: float | None = None, **params: Any) -> Any:
+    def pause(self, mode: str | None = None, timeout: float | None = None, *,
+              confirm: bool = True, **params: Any) -> Any:
+        """``POST /pause`` (``mode`` and any other query parameters). With ``confirm``
+        it returns only once /is_paused says true, and raises ``PauseStateError``
+        naming /pause if it does not within ``confirm_timeout``. ``confirm=False``
+        is for tests that study the route's raw answer (idempotency, bad input)."""
         q = dict(params)
         if mode is not None:
             q["mode"] = mode
-        return self._call("POST", "/pause", params=q, timeout=timeout)
+        answer = self._call("POST", "/pause", params=q, timeout=timeout)
+        if confirm:
+            self._confirm_paused("/pause", q, True)
+        return answer
 
-    def resume(self, timeout: float | None = None) -> Any:
-        return self._call("POST", "/resume", timeout=timeout)
+    def resume(self, timeout: float | None = None, *, confirm: bool = True) -> Any:
+        """``POST /resume``; with ``confirm``, returns only once /is_paused says false
+        (else ``PauseStateError`` naming /resume, within ``confirm_timeout``)."""
+        answer = self._call("POST", "/resume", timeout=timeout)
+        if confirm:
+            self._confirm_paused("/resume", None, False)
+        return answer
 
-    def is_paused(self) -> bool:
-        return bool(self._call("GET", "/is_paused")["is_paused"])
+    def is_paused(self, timeout: float | None = None) -> bool:
+        return bool(self._call("GET", "/is_paused", timeout=timeout)["is_paused"])
+
+    def _confirm_paused(self, route: str, request: Any, expected: bool) -> None:
+        # A /resume that answers 200 and leaves the server paused was once caught only
+        # as the next request's "no answer within 300s": name the route that lied.
+        said: list[bool] = []
+
+        def follows() -> bool:
+            said.append(self.is_paused(timeout=self.confirm_timeout))
+            return said[-1] == expected
+
+        try:
+            wait_until(follows, timeout=self.confirm_timeout, interval=0.1,
+                       what=f"/is_paused to say {str(expected).lower()} after {route}")
+        except WaitTimeout as e:
+            seen = (f"still says {str(said[-1]).lower()}" if said
+                    else f"gave no answer ({e})")
+            raise PauseStateError(
+                route, request, f"/is_paused {seen}",
+                headline=f"{route} returned 200 but /is_paused {seen} after "
+                         f"{self.confirm_timeout:g}s",
+                context=self.context()) from None
 
     # ------------------------------------------------------------------ VLLMWeightSyncClient
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -154,64 +220,6 @@ class ServerClient:
                           finish_reason=ch.get("finish_reason"),
                           logprobs=lp.get("token_logprobs"))
 
-    def stream(self, prompt: str | list[int], *, max_tokens: int = 16,
-               timeout: float | None = None, deadline: float | None = None,
-               require_finish: bool = True, **extra: Any) -> Iterator[StreamChunk]:
-        """Greedy streaming completion: yields one ``StreamChunk`` per server event
-        (token ids and text, ``finish_reason`` on the last). ``timeout`` bounds the
-        connection and every gap between events; ``deadline`` (time.monotonic())
-        bounds the whole stream. An error event, a stream cut off before ``[DONE]``
-        or a blown bound raises ``ControlPlaneError``; so does a ``[DONE]`` without
-        any finish_reason, unless ``require_finish`` is false (then the generator
-        just ends: vLLM ends a stream aborted before its first token that way)."""
-        import time
-
-        body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
-                "stream": True, **extra}
-        t = timeout or self.timeout
-        route = "/v1/completions (stream)"
-        try:
-            r = self.session.post(self.url + "/v1/completions", json=body, stream=True,
-                                  timeout=(min(t, 30.0), t))
-        except requests.RequestException as e:
-            raise ControlPlaneError(route, body, f"{type(e).__name__}: {e}",
-                                    context=self._context()) from None
-        with r:
-            if r.status_code != 200:
-                raise ControlPlaneError(route, body, r.text[:2000], r.status_code,
-                                        context=self._context())
-            finished = done = False
-            try:
-                # chunk_size=None: hand over each HTTP chunk as it arrives (a fixed size
-                # would sit on a last partial event, e.g. while the server is paused)
-                for line in r.iter_lines(chunk_size=None, decode_unicode=True):
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise ControlPlaneError(route, body, "stream still running at its "
-                                                "deadline", context=self._context())
-                    if not line or not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    ev = json.loads(data)
-                    if "error" in ev and not ev.get("choices"):
-                        raise ControlPlaneError(route, body, f"error event: {ev['error']}",
-                                                context=self._context())
-                    for ch in ev.get("choices") or []:
-                        fr = ch.get("finish_reason")
-                        finished = finished or fr is not None
-                        yield StreamChunk(list(ch.get("token_ids") or []), ch.get("text") or "",
-                                          fr, time.monotonic())
-            except requests.RequestException as e:
-                raise ControlPlaneError(route, body, f"stream broke: {type(e).__name__}: {e}",
-                                        context=self._context()) from None
-            if not finished and (require_finish or not done):
-                raise ControlPlaneError(route, body, "stream ended without a finish_reason "
-                                        + ("([DONE] received)" if done else
-                                           "(cut off: no [DONE])"), context=self._context())
-
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 5,
                         timeout: float | None = None) -> list[dict[int, float]]:
         """Teacher-forced scoring: for each position i >= 1, {token_id: logprob} holding
@@ -222,7 +230,7 @@ class ServerClient:
         plp = out["choices"][0].get("prompt_logprobs")
         if plp is None:
             raise ControlPlaneError("/v1/completions", body, "no prompt_logprobs in the answer",
-                                    context=self._context())
+                                    context=self.context())
         return [None if d is None else {int(k): float(v["logprob"]) for k, v in d.items()}
                 for d in plp]
 
@@ -230,3 +238,27 @@ class ServerClient:
         return self._call("POST", "/tokenize",
                           json_body={"model": self.model(), "prompt": text,
                                      "add_special_tokens": False})["tokens"]
+
+    # ------------------------------------------------------------------ the openai SDK
+    def openai_sdk(self) -> "openai.OpenAI":
+        """The official SDK's client for this server's OpenAI routes, as an RL framework
+        holds one: made once, then shared by every thread (it is thread-safe, and making
+        one costs tens of milliseconds: too slow to do per request when the request's
+        timing is what a check reads). ``max_retries=0`` (a retry would hide a refused
+        request); its default timeout is this client's, and callers pass their own."""
+        import openai
+
+        with self._sdk_lock:
+            if self._sdk is None:
+                self._sdk = openai.OpenAI(base_url=self.url + "/v1",
+                                          api_key=self.api_key or SDK_API_KEY,
+                                          max_retries=0, timeout=self.timeout)
+            return self._sdk
+
+    def async_openai_sdk(self, *, timeout: float | None = None) -> "openai.AsyncOpenAI":
+        """The SDK's asyncio client, configured as ``openai_sdk``; a new one per call,
+        since it belongs to the event loop it runs on (close it: ``async with``)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or SDK_API_KEY,
+                                  max_retries=0, timeout=timeout or self.timeout)

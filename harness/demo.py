@@ -18,15 +18,15 @@ from pathlib import Path
 
 from . import parity
 from .backends import VARIANTS
-from .cases import DEFAULT_MODEL
+from .cases import DEMO_MODEL
 from .layouts import LAYOUTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="shm", choices=list(VARIANTS))
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=DEMO_MODEL,
                    help="zoo name (llama, opt, smollm2, ...), local directory or hub id; "
-                        f"default {DEFAULT_MODEL}")
+                        f"default {DEMO_MODEL} (real weights: readable text after the sync)")
     p.add_argument("--dtype", default="float32",
                    help="float32 (fp32) or bfloat16 (bf16); default float32")
     p.add_argument("--layout", default=None, choices=list(LAYOUTS),

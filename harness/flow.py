@@ -112,15 +112,16 @@ class SyncSession:
         if pause:
             self.client.pause(pause_mode) if pause_mode else self.client.pause()
         try:
+            lying = {"lie": lie} if lie else {}
             if fresh_trainer:
                 result = run_trainer(spec, weights, corrupt=corrupt,
-                                     corrupt_target=corrupt_target, lie=lie,
+                                     corrupt_target=corrupt_target, **lying,
                                      timeout=self.sync_timeout, log_dir=self.pool.log_dir,
                                      context=self.server.describe_failure,
                                      api_key=self.server_cfg.api_key)
             else:
                 result = self.pool.trainer(self.server_cfg, spec).sync(
-                    weights, corrupt=corrupt, corrupt_target=corrupt_target, lie=lie,
+                    weights, corrupt=corrupt, corrupt_target=corrupt_target, **lying,
                     timeout=self.sync_timeout)
         except BaseException as e:
             _add_note(e, self.server_state())

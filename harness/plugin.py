@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 import warnings
 from pathlib import Path
@@ -23,6 +24,7 @@ from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
 from .facts import canonical_dtype, installed_vllm, dist_version
 from .flow import FlowResult, SyncSession, resolve_model_path, seed_flow
+from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable
 from .server import ServerConfig, ServerError
 
@@ -39,6 +41,7 @@ MARKERS = (
     "faults: bad input, protocol misuse, dying processes and leaks",
     "breaks_server: the test may leave its server unusable; it runs after every other "
     "test on that server, which is then stopped or restarted",
+    "bench: runs harness bench against real servers (timings, not parity)",
     "harness_deselect(reason): set by the harness on cases this run cannot or must not run",
 )
 
@@ -177,11 +180,12 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     state.items = [it for it in items if _case_of(it) is not None]
-    if not state.items:
-        return
-    from .known_issues import mark_known_issues
+    from . import known_issues
 
-    mark_known_issues(config, items, state.settings.vllm_url)
+    in_use = state.items or state.settings.explicit or os.environ.get(known_issues.ENV_PATH)
+    if not in_use:  # a project that does not use the harness: leave its tests alone
+        return
+    known_issues.mark_known_issues(config, items, state.settings.vllm_url)
     # Tests grouped by the server they need (each server starts once and stops after
     # its last test); within a group, tests that need never-synced weights first, and
     # tests that may break the server last (nothing after them pays for a restart).
@@ -217,7 +221,11 @@ def server_pool(request: pytest.FixtureRequest):
     plan: list[ServerConfig] = []
     last: dict[ServerConfig, str] = {}
     for item in state.items:
-        for cfg in _configs_of(item, s, paths):
+        try:
+            configs = _configs_of(item, s, paths)
+        except ModelUnavailable:
+            continue  # its tests skip, each saying why
+        for cfg in configs:
             plan.append(cfg)
             last[cfg] = item.nodeid
     for cfg, nodeid in last.items():
@@ -246,8 +254,8 @@ def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
         sess = SyncSession(case, pool, fresh=fresh, sync_timeout=s.vllm_sync_timeout,
                            attention_backend=s.vllm_attention_backend, api_key=s.vllm_api_key,
                            on_record=lambda kind, data: node.user_properties.append((kind, data)))
-    except NeedsFreshServer as e:
-        pytest.skip(str(e))
+    except (NeedsFreshServer, ModelUnavailable) as e:
+        pytest.skip(str(e).splitlines()[0])
     except (ServerUnavailable, ServerError) as e:
         pytest.fail(str(e), pytrace=False)
     sess.record(server_wait_seconds=round(time.monotonic() - t0, 3))

@@ -78,7 +78,6 @@ def torch_dtype(name: str):
 
 
 def load_hf_model(model_dir: Path | str, dtype: str, device: str = "cpu"):
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))

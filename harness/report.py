@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 
 from .facts import dist_version, installed_vllm
+from .pause.openapi import pause_capabilities  # the pause checks' own parse
 
 SCHEMA_VERSION = 2  # 2: per-test "syncs", top-level "timing"
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
@@ -82,42 +83,6 @@ def _git(root: Path) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- openapi
-
-def _resolve(doc: dict, schema: dict) -> dict:
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/"):
-        node: Any = doc
-        for part in ref[2:].split("/"):
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        return node if isinstance(node, dict) else {}
-    return schema
-
-
-def _enum(doc: dict, schema: dict) -> list:
-    schema = _resolve(doc, schema or {})
-    if "enum" in schema:
-        return list(schema["enum"])
-    if "const" in schema:
-        return [schema["const"]]
-    out: list = []
-    for key in ("anyOf", "oneOf", "allOf"):
-        for sub in schema.get(key, []) or []:
-            out += [v for v in _enum(doc, sub) if v not in out]
-    return out
-
-
-def pause_capabilities(openapi: dict) -> dict:
-    """/pause's query parameters and the values its ``mode`` accepts, from openapi.json."""
-    op = ((openapi.get("paths") or {}).get("/pause") or {}).get("post")
-    if op is None:
-        return {"route": False, "modes": [], "default": None, "params": []}
-    params = op.get("parameters") or []
-    mode = next((p for p in params if p.get("name") == "mode"), None)
-    schema = _resolve(openapi, (mode or {}).get("schema") or {})
-    return {"route": True, "modes": _enum(openapi, schema) if mode else [],
-            "default": schema.get("default") if mode else None,
-            "params": sorted(p.get("name") for p in params if p.get("name"))}
-
 
 def openapi_capabilities(url: str, timeout: float = 15.0) -> dict:
     import requests

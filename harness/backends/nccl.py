@@ -114,10 +114,10 @@ class Sender:
         self.world_size: int | None = None
         self.forced_world_size = int(options["world_size"]) if options.get("world_size") else None
         self.hold_before_broadcast_s = float(options.get("hold_before_broadcast_s") or 0)
-        if self.hold_before_broadcast_s and self.path == "factory" \
-                and hasattr(client, "hold_after_start_s"):
+        hold_after_start = getattr(client, "hold_after_start", None)  # the trainer's client
+        if self.hold_before_broadcast_s and self.path == "factory" and callable(hold_after_start):
             # vLLM's trainer engine broadcasts by itself: hold after /start_weight_update
-            client.hold_after_start_s = self.hold_before_broadcast_s
+            hold_after_start(self.hold_before_broadcast_s)
         self.group: Any = None      # static / raw: the trainer's communicator
         self.engine: Any = None     # factory: vLLM's trainer engine
         self.broadcasts: list[int] | None = None

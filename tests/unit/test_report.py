@@ -87,20 +87,20 @@ def test_report_document(inner_run, pytester):
     r, rep = inner_run("--vllm-model", "llama", "--vllm-dtype", "fp32")
     assert rep["schema"] == report.SCHEMA_VERSION
     assert set(rep) == {"schema", "header", "capabilities", "summary", "tests", "known_issues",
-                        "servers"}
+                        "servers", "timing"}
 
     h = rep["header"]
     assert h["vllm"] == report.vllm_distribution()
     assert h["torch"] == importlib.metadata.version("torch")
     assert h["python"] == ".".join(map(str, sys.version_info[:3]))
-    assert h["selection"]["models"] == ["llama"] and h["selection"]["dtypes"] == ["fp32"]
+    assert h["selection"]["models"] == ["llama"] and h["selection"]["dtypes"] == ["float32"]
     assert h["seed"] == 0 and h["exitstatus"] == 1 and h["complete"] is True
     i = h["args"].index("--vllm-model")
     assert h["args"][i:i + 4] == ["--vllm-model", "llama", "--vllm-dtype", "fp32"]
     assert h["executable"] == sys.executable
     assert "-m pytest" in h["command"] and str(pytester.path) in h["command"]
     assert h["wall_seconds"] > 0 and h["start_time"].endswith("+00:00")
-    assert set(h["gpus"]) == {"present", "used"}
+    assert set(h["gpus"]) == {"present", "used", "names"}
 
     tests = {t["nodeid"].split("::")[1]: t for t in rep["tests"]}
     assert {n: t["outcome"] for n, t in tests.items()} == {
@@ -234,8 +234,10 @@ def test_pause_capabilities_forms():
     assert report.pause_capabilities(OPENAPI) == {
         "route": True, "modes": ["abort", "wait", "keep"], "default": "abort",
         "params": ["clear_cache", "mode"]}
-    inline = {"paths": {"/pause": {"post": {"parameters": [{"name": "mode", "schema": {
-        "anyOf": [{"enum": ["abort", "wait"]}, {"type": "null"}], "default": "abort"}}]}}}}
+    # read by harness.pause.openapi, as the pause checks read it: query parameters only
+    mode = {"name": "mode", "in": "query", "schema": {
+        "anyOf": [{"enum": ["abort", "wait"]}, {"type": "null"}], "default": "abort"}}
+    inline = {"paths": {"/pause": {"post": {"parameters": [mode]}}}}
     assert report.pause_capabilities(inline)["modes"] == ["abort", "wait"]
     assert report.pause_capabilities({"paths": {}}) == {"route": False, "modes": [],
                                                         "default": None, "params": []}
@@ -268,7 +270,7 @@ def test_routes_captured_from_the_pool(pytester, monkeypatch, openapi_server):
     before the pool's teardown stops it."""
     pytester.makeconftest(f"""
 import pytest
-from harness.plugin import _STATE
+from harness.plugin import STATE
 
 class Cfg:
     def describe(self):
@@ -287,9 +289,12 @@ class Pool:
     started = [{{"config": "fake config", "start_seconds": 1.5, "version": "9.9.9",
                  "log": "x.log"}}]
 
+    def start_figures(self):
+        return {{"servers_started": 1, "start_seconds_sum": 1.5, "start_wall_seconds": 1.5}}
+
 @pytest.fixture(autouse=True)
 def fake_pool(request):
-    request.config.stash[_STATE].pool = Pool()
+    request.config.stash[STATE].pool = Pool()
 """)
     pytester.makepyfile(test_one="def test_one(): pass")
     monkeypatch.setenv(report.PROBE_ENV, "0")

@@ -480,7 +480,7 @@ def test_output_fits_120_columns(tmp_path, capsys):
 
 def test_committed_reports_still_diff(capsys):
     """The reports in reports/ (schema 1) are what users compare against."""
-    root = Path(__file__).resolve().parents[1] / "reports"
+    root = Path(__file__).resolve().parents[2] / "reports"
     old, new = root / "cpu-vllm-0.27.1.json", root / "cpu-vllm-0.32.0.json"
     gpu_ipc = root / "gpu/h200x2-vllm-0.26.0-ipc.json"
     gpu_nccl = root / "gpu/h200x2-vllm-0.26.0-nccl-shm.json"

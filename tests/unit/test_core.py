@@ -2,15 +2,13 @@
 server lifecycle on failure. No vLLM server needed, except where one must crash."""
 
 import json
-import time
 import types
 
-import psutil
 import pytest
 
 from harness import layouts, parity
 from harness.backends import VARIANTS
-from harness.plugin import Case, server_config_for
+from harness.cases import Case, server_config_for
 from harness.reference import PromptReference, Reference
 from harness.server import ServerConfig, ServerError, VLLMServer, build_command
 from harness.trainer import corrupt_weights
@@ -134,27 +132,6 @@ def test_a_taken_port_is_refused(tmp_path):
             VLLMServer(ServerConfig(model="x"), log_dir=tmp_path, port=port).start()
 
 
-def test_crashing_server_fails_fast_with_its_log_and_leaves_nothing(tmp_path):
-    """A real vLLM process that dies at start-up: the error must come well before the
-    start timeout, carry the log tail, and no process of it may survive."""
-    bad = tmp_path / "model"
-    bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
-    srv = VLLMServer(ServerConfig(model=str(bad)), log_dir=tmp_path / "logs", start_timeout=300)
-    before = {p.pid for p in psutil.process_iter()}
-    t0 = time.monotonic()
-    with pytest.raises(ServerError) as e:
-        srv.start()
-    elapsed = time.monotonic() - t0
-    assert "exited with code" in str(e.value) and "last 60 log lines" in str(e.value)
-    assert "no-such-architecture" in str(e.value)
-    assert elapsed < 200, f"took {elapsed:.0f}s to notice a dead server"
-    time.sleep(1)
-    leftovers = [p for p in psutil.process_iter(["cmdline"])
-                 if p.pid not in before and "vllm" in " ".join(p.info["cmdline"] or [])]
-    assert not leftovers, leftovers
-
-
 class _FakeClient:
     """Answers like vLLM when the model computes NaN: HTTP 400 from its JSON encoder."""
 
@@ -180,66 +157,102 @@ def test_nonfinite_server_output_is_a_parity_failure_other_400s_are_not():
         parity.observe(_FakeClient('{"error":{"message":"max_tokens too large"}}'), ref)
 
 
-class _FakePool:
-    def __init__(self):
-        self.holds, self.discarded = {}, []
+class _FakeTrainer:
+    def __init__(self, error=None):
+        self.error, self.calls = error, []
 
-    def set_holds(self, cfg, weights):
-        self.holds[cfg] = weights
-
-    def discard(self, cfg):
-        self.discarded.append(cfg)
+    def sync(self, weights_dir, **kw):
+        self.calls.append((weights_dir, kw))
+        if self.error:
+            raise self.error
+        return {"sync_seconds": 0.01, "first": len(self.calls) == 1, "corruption": "none"}
 
 
 def _session(sync_error=None):
-    from harness.session import SyncSession
+    """A SyncSession over a real ServerPool whose server and trainer are fakes: only the
+    bookkeeping of what the server holds is under test."""
+    from harness.flow import SyncSession
+    from harness.pool import ServerPool
 
-    s = SyncSession.__new__(SyncSession)  # no server: only the bookkeeping is under test
-    s.pool, s.server_cfg, s.model_path, s.tainted = _FakePool(), "cfg", "/m", None
-    s.server = types.SimpleNamespace(url="http://127.0.0.1:1")
-    s.synced = []
+    pool = ServerPool("/tmp", start_timeout=1, max_alive=1)
+    cfg = ServerConfig(model="/m")
+    pool.servers[cfg] = types.SimpleNamespace(url="http://127.0.0.1:1", start_seconds=0, stop=lambda: None,
+                                              version="x", describe_failure=lambda: "",
+                                              exit_code=lambda: None, log_path=None)
+    pool.discarded = []
+    pool.discard = lambda c: pool.discarded.append(c)
+    trainer = _FakeTrainer(sync_error)
+    pool.trainer = lambda c, spec: trainer
+    s = SyncSession.__new__(SyncSession)
+    s.case = Case(VARIANTS["shm"], layouts.LAYOUTS["cpu"], "float32", "llama")
+    s.pool, s.server_cfg, s.model_path, s.server = pool, cfg, "/m", pool.servers[cfg]
+    s.sync_timeout, s.on_record, s.metrics = 5, None, {}
 
     class Client:
+        def pause(self, *a, **k):
+            pass
+
+        resume = pause
+
         def is_paused(self):
             return False
 
-    def sync(weights_dir=None, **kw):
-        s.synced.append((weights_dir, kw))
-        if sync_error:
-            raise sync_error
-        s.pool.holds["cfg"] = str(weights_dir or s.model_path)
-        s.tainted = "corrupted" if kw.get("corrupt") else None
+        def health(self):
+            return True
 
-    s.client, s.sync = Client(), sync
+    s.client, s.trainer_calls = Client(), trainer.calls
     return s
 
 
 def test_a_server_is_resynced_only_when_it_does_not_hold_the_asked_weights():
+    from harness.pool import State
+
     s = _session()
     assert s.holds is None                 # dummy weights
     s.ensure_holds()
     s.ensure_holds()
-    assert s.synced == [(None, {})] and s.holds == "/m"
-    s.pool.holds["cfg"] = "/m (dropped x.q_proj)"
+    assert [w for w, _ in s.trainer_calls] == ["/m"] and s.holds == "/m"
+    s.sync(corrupt="drop")                 # the same directory, but damaged
+    assert s.pool.holding_of(s.server_cfg).state is State.CORRUPTED and s.holds is None
     s.ensure_holds()
-    assert len(s.synced) == 2
+    assert len(s.trainer_calls) == 3 and s.holds == "/m"
 
 
-def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_test():
+def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_user():
+    from harness.pool import State
+
     s = _session()
-    s.leave_healthy()
-    assert s.synced == []                   # nothing to repair
-    s.tainted = "corrupted"
-    s.leave_healthy()
-    assert s.synced == [(None, {})] and not s.tainted and s.pool.discarded == []
+    assert s.leave_healthy() is None and s.trainer_calls == []  # nothing to repair
+    s.sync(corrupt="nan")
+    assert s.leave_healthy() is None                             # repaired by a full sync
+    assert s.trainer_calls[-1] == ("/m", {"corrupt": None, "corrupt_target": None,
+                                          "timeout": 5})
+    assert s.pool.discarded == [] and s.holds == "/m"
     broken = _session(sync_error=RuntimeError("trainer timed out"))
-    broken.tainted = "corrupted"
-    with pytest.warns(UserWarning, match="restarted .* failed: trainer timed out"):
-        broken.leave_healthy()
-    assert broken.pool.discarded == ["cfg"]
+    broken.pool.set_holding(broken.server_cfg, State.CORRUPTED, "/m")
+    why = broken.leave_healthy()
+    assert "restarted" in why and "failed: trainer timed out" in why
+    assert broken.pool.discarded == [broken.server_cfg]
     # a sync that never completed is not retried (it could hang again): restart
-    hung = _session()
-    hung.tainted = "incomplete"
-    with pytest.warns(UserWarning, match="a weight sync did not complete"):
-        hung.leave_healthy()
-    assert hung.synced == [] and hung.pool.discarded == ["cfg"]
+    hung = _session(sync_error=RuntimeError("no answer"))
+    with pytest.raises(RuntimeError):
+        hung.sync()
+    assert hung.pool.holding_of(hung.server_cfg).state is State.INCOMPLETE
+    calls = len(hung.trainer_calls)
+    assert "a weight sync did not complete" in hung.leave_healthy()
+    assert len(hung.trainer_calls) == calls and hung.pool.discarded == [hung.server_cfg]
+
+
+def test_swap_swaps_the_pair_it_names():
+    import torch
+
+    w = [("a", torch.zeros(2, 2)), ("b", torch.ones(2, 2)), ("c", torch.full((2, 2), 2.0)),
+         ("v", torch.ones(3))]
+    swapped, what = corrupt_weights(w, "swap", "c")
+    got = dict(swapped)
+    assert what == "swapped c and a"
+    assert got["c"].eq(0).all() and got["a"].eq(2).all() and got["b"].eq(1).all()
+    with pytest.raises(ValueError, match="no other tensor has the shape of v"):
+        corrupt_weights(w, "swap", "v")
+    with pytest.raises(ValueError, match="not a tensor of the model"):
+        corrupt_weights(w, "drop", "nope")

