@@ -317,10 +317,6 @@ def test_ipc_handles_for_another_gpu_are_refused(harness):
     assert_parity(harness, ref)
 
 
-def _world_size(harness) -> int:
-    return int(harness.client.raw("GET", "/get_world_size").json()["world_size"])
-
-
 def _until_usable(harness, within: float) -> float | None:
     """Seconds until the server answers a completion again (None: not within)."""
     prompt = harness.reference().prompts[0].prompt_ids
@@ -339,7 +335,7 @@ def test_nccl_init_with_the_wrong_world_size_is_bounded(harness):
     """The trainer opens the rendezvous for one rank more than the server has: both
     sides wait for a rank that never comes. The harness must give up within its bound;
     the record says how long the server stays unusable (the TCPStore timeout)."""
-    ws = _world_size(harness)
+    ws = harness.client.world_size()
     harness.sync_timeout = SYNC_WITHIN
     unknown_weights(harness)
     t0 = time.monotonic()
@@ -357,7 +353,7 @@ def test_nccl_init_with_the_wrong_world_size_is_bounded(harness):
 @pytest.mark.breaks_server
 @pytest.mark.backends("nccl-packed", "nccl-unpacked")
 def test_nccl_init_with_a_rendezvous_nobody_listens_on_is_bounded(harness):
-    ws = _world_size(harness)
+    ws = harness.client.world_size()
     unknown_weights(harness)
     init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
             "world_size": ws + 1}
