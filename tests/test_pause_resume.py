@@ -110,10 +110,15 @@ def test_inflight_requests_under_pause(harness, style_name):
     prompt = short_prompt(harness)
     # A stream aborted before its first token gets a bare [DONE] from vLLM (pinned by
     # test_abort_of_a_held_request_reports_a_finish_reason): here it only means the
-    # request was not yet generating, so the attempt is repeated.
+    # request was not yet generating, so the attempt is repeated. So is an attempt whose
+    # pause missed the requests: 480 tokens take ~0.5 s on CPU, and on a shared 2-core
+    # host a stream can reach the engine later than that, or the pause leave late. Under
+    # load, 2-3 of 6 single attempts were ambiguous with the old plain-HTTP client and
+    # 3-5 with the SDK (more client CPU per streamed event). A violation fails at once;
+    # 5 ambiguous attempts fail too.
     obs = pc.check_inflight_under_pause(harness.client, style, prompt,
                                         max_tokens=long_max_tokens(harness, prompt),
-                                        hold_seconds=3.0, settle_seconds=1.0,
+                                        hold_seconds=3.0, settle_seconds=1.0, attempts=5,
                                         timeout=REQUEST_TIMEOUT, tolerate_empty_abort=True)
     harness.record(**{f"pause_{style_name}_inflight": obs,
                       f"pause_{style_name}_stream_class": obs["stream"]["class"],
