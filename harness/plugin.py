@@ -220,6 +220,9 @@ def server_pool(request: pytest.FixtureRequest):
     paths: dict[str, str] = {}
     plan: list[ServerConfig] = []
     last: dict[ServerConfig, str] = {}
+    # The items that will run: -k, -m and every other deselection have happened by now
+    # (planning from what was collected started servers no selected test needed).
+    state.items = [it for it in request.session.items if _case_of(it) is not None]
     for item in state.items:
         try:
             configs = _configs_of(item, s, paths)

@@ -33,6 +33,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +45,7 @@ from .facts import dist_version, installed_vllm
 from .pause.openapi import pause_capabilities  # the pause checks' own parse
 
 SCHEMA_VERSION = 2  # 2: per-test "syncs", top-level "timing"
+PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
 
 # Routes the harness's client calls (harness/client.py); losing one of these between
@@ -269,6 +271,7 @@ class ReportPlugin:
         self.openapi_error: str | None = None
         self.openapi_attempts = 0
         self.backend_caps: tuple[dict, dict] | None = None
+        self._start_probes()
         self.write_error: str | None = None
 
     # ---------------------------------------------------------------- header line
@@ -383,12 +386,31 @@ class ReportPlugin:
             "complete": exitstatus is not None and exitstatus != pytest.ExitCode.INTERRUPTED,
         }
 
-    def capabilities(self) -> dict:
-        t0 = time.monotonic()
+    def _start_probes(self) -> None:
+        """Probe the installed vLLM (in child processes) beside the run, never in its
+        way: a probe that hangs must not hold the tests (it did, on a GPU host)."""
         probe = os.environ.get(PROBE_ENV, "1") != "0"
-        if self.backend_caps is None:  # probed once: the installed vLLM does not change
-            self.backend_caps = backend_capabilities(probe)
-        trainer_api, backends = self.backend_caps
+        self._probes_done = threading.Event()
+
+        def run() -> None:
+            try:
+                self.backend_caps = backend_capabilities(probe)
+            except Exception as e:  # recorded, never raised into the run
+                self.backend_caps = ({"error": f"{type(e).__name__}: {e}"}, {})
+            self._probes_done.set()
+
+        threading.Thread(target=run, name="harness-report-probes", daemon=True).start()
+
+    def capabilities(self, final: bool = False) -> dict:
+        t0 = time.monotonic()
+        if final:
+            self._probes_done.wait(PROBE_WAIT_S)
+        if self.backend_caps is not None:
+            trainer_api, backends = self.backend_caps
+        else:
+            why = (f"the probes had not finished after {PROBE_WAIT_S:.0f}s" if final
+                   else "probes still running")
+            trainer_api, backends = {"error": why}, {}
         caps: dict[str, Any] = {
             "routes": self.openapi["routes"] if self.openapi else None,
             "routes_source": self.openapi_source,
@@ -438,7 +460,7 @@ class ReportPlugin:
         return _json_safe({
             "schema": SCHEMA_VERSION,
             "header": self.header(exitstatus),
-            "capabilities": self.capabilities(),
+            "capabilities": self.capabilities(final=exitstatus is not None),
             "summary": summarize(tests),
             "tests": tests,
             "known_issues": self.known_issues(),

@@ -132,6 +132,9 @@ def build_env(cfg: ServerConfig) -> dict[str, str]:
     if cfg.device_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.device_ids))
     else:
+        # A CPU layout means the CPU: a GPU build of vLLM must not quietly take a GPU
+        # (and 92% of its memory) that the GPU layouts' servers and trainers need.
+        env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes far more
     env.update(dict(cfg.extra_env))
     return env

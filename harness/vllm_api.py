@@ -45,6 +45,7 @@ from typing import Any
 from harness.facts import installed_vllm
 
 _WT = "vllm.distributed.weight_transfer"
+PROBE_TIMEOUT_S = 120.0  # importing vLLM in a child takes 5-20 s; longer means it hangs
 ENGINE_MODULES = {"nccl": f"{_WT}.nccl_engine", "ipc": f"{_WT}.ipc_engine"}
 
 # capability name -> (module, dotted attribute). probe() reports each as a bool.
@@ -130,7 +131,7 @@ def probe(isolated: bool = False) -> dict[str, Any]:
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         code = "import json, harness.vllm_api as v; print('PROBE ' + json.dumps(v.probe()))"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=600, env=env, stdin=subprocess.DEVNULL)
+                              timeout=PROBE_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"vLLM probe child failed (exit {proc.returncode}):\n"
@@ -223,7 +224,7 @@ def sender_path(engine: str, error: type[Exception]) -> tuple[dict[str, Any], st
     return caps, path
 
 
-def backend_importable(engine: str, timeout: float = 300.0) -> tuple[bool, str]:
+def backend_importable(engine: str, timeout: float = 120.0) -> tuple[bool, str]:
     """Can vLLM's engine module for ``engine`` ("nccl" / "ipc") be imported?
 
     Tried in a child process so the caller imports no CUDA library. On failure the

@@ -256,3 +256,13 @@ def test_swap_swaps_the_pair_it_names():
         corrupt_weights(w, "swap", "v")
     with pytest.raises(ValueError, match="not a tensor of the model"):
         corrupt_weights(w, "drop", "nope")
+
+
+def test_start_wall_time_counts_overlapping_starts_once():
+    from harness.pool import start_figures
+
+    started = [{"start_seconds": 50, "started_at": 0, "ready_at": 50},
+               {"start_seconds": 40, "started_at": 10, "ready_at": 50},   # side by side
+               {"start_seconds": 30, "started_at": 100, "ready_at": 130}]  # later, alone
+    assert start_figures(started) == {"servers_started": 3, "start_seconds_sum": 120,
+                                      "start_wall_seconds": 80}

@@ -159,3 +159,19 @@ def test_a_project_that_does_not_use_the_harness_hears_nothing_of_it(pytester, m
     out = r.stdout.str() + r.stderr.str()
     assert "harness" not in out.lower() and "vllm" not in out.lower(), out
     assert calls == []  # nothing probed
+
+
+def test_only_the_selected_tests_servers_are_planned(project, monkeypatch):
+    """-k and -m deselect after collection: the servers planned (and started ahead) are
+    those of the tests that will run. A GPU run once started CPU-layout servers that
+    -k had excluded; with a GPU build of vLLM they took the GPU's memory."""
+    from harness.pool import ServerPool
+
+    planned = []
+    monkeypatch.setattr(ServerPool, "plan", lambda self, cfgs: planned.extend(cfgs))
+    monkeypatch.setattr(ServerPool, "stop_all", lambda self: None)
+    project.makepyfile(test_use="def test_a(case, server_pool):\n    pass\n")
+    r = project.runpytest("-q", "-p", "no:cacheprovider", "test_use.py", "-k", "bf16",
+                          "--vllm-dtype", "fp32,bf16")
+    assert r.ret == 0, r.stdout.str()
+    assert [c.dtype for c in planned] == ["bfloat16"]
