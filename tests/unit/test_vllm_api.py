@@ -354,3 +354,44 @@ def test_senders_name_the_import_failure_of_vllms_engine(engine, error, monkeypa
                        match=f"vLLM's {engine.upper()} engine module cannot be imported: {cause}"):
         module.Sender(rc_fake, packed=False, options={"device": "cuda:0"})
     assert rc_fake.posted == []
+
+
+@pytest.mark.parametrize("server_ranks", [1, 2, 4])
+def test_nccl_group_spans_every_server_rank_with_the_trainer_at_rank_0(server_ranks,
+                                                                       monkeypatch):
+    """A tensor-parallel server (3gpu-tp2: TP=2) joins the trainer's group with every
+    worker: world size = the server's ranks + 1, the trainer is rank 0 and the workers
+    start at rank_offset 1. Checked here on the 0.26 (static) path, without GPUs: the
+    communicator is a fake that records how it was opened."""
+    from harness.backends import nccl
+
+    opened = []
+    monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
+        "nccl_path": "static", "errors": {}})
+    monkeypatch.setattr(nccl, "cuda_device", lambda options, error, why: "cuda:2")
+    monkeypatch.setattr(vllm_api, "lookup", lambda name: (
+        lambda rendezvous: opened.append(dict(rendezvous)) or object()))
+
+    class Server(FakeServerClient):
+        def world_size(self):
+            return server_ranks
+
+    server = Server()
+    sender = nccl.Sender(server, packed=True, options={"device": "cuda:2", "nccl_port": 29555})
+    monkeypatch.setattr(nccl._Step, "__init__", _run_inline)
+    sender.init()
+    expected = {"master_address": "127.0.0.1", "master_port": 29555,
+                "world_size": server_ranks + 1}
+    assert opened == [expected]
+    assert server.posted == [("init", ({**expected, "rank_offset": 1},))]
+
+
+def _run_inline(self, name, fn, device=None):
+    """nccl._Step without its thread: run now, keep the outcome (the fakes never block)."""
+    self.name, self._done = name, threading.Event()
+    self._value, self._error = None, None
+    try:
+        self._value = fn()
+    except BaseException as e:
+        self._error = e
+    self._done.set()
