@@ -682,18 +682,23 @@ def render(d: dict, a_name: str = "A", b_name: str = "B") -> str:
     if not d["metrics"]:
         out.append("(no change beyond the threshold)")
     out.append("")
-    if d["regressions"]:
-        out.append(f"REGRESSED: {len(d['regressions'])}")
-        for r in d["regressions"][:SUMMARY_MAX]:
-            out += _para(r, "    ", first="  - ")
-        if len(d["regressions"]) > SUMMARY_MAX:
-            out.append(f"  ... and {len(d['regressions']) - SUMMARY_MAX} more, listed above "
-                       "(--json lists them all)")
-    else:
-        out.append("No regression.")
+    out += _verdict(d["regressions"], " listed above")
     if u:
         out.append("(NOT LIKE WITH LIKE: see the note at the top)")
     return "\n".join(out) + "\n"
+
+
+def _verdict(regressions: list[str], where: str = "") -> list[str]:
+    """The closing lines: the regressions (the first SUMMARY_MAX), or that there is none."""
+    if not regressions:
+        return ["No regression."]
+    out = [f"REGRESSED: {len(regressions)}"]
+    for r in regressions[:SUMMARY_MAX]:
+        out += _para(r, "    ", first="  - ")
+    if len(regressions) > SUMMARY_MAX:
+        out.append(f"  ... and {len(regressions) - SUMMARY_MAX} more{where} (--json lists "
+                   "them all)")
+    return out
 
 
 # ----------------------------------------------------------------------------- bench files
@@ -854,15 +859,7 @@ def render_bench(d: dict, a_name: str = "A", b_name: str = "B") -> str:
     else:
         out.append("(no path measured in both)")
     out.append("")
-    if d["regressions"]:
-        out.append(f"REGRESSED: {len(d['regressions'])}")
-        for r in d["regressions"][:SUMMARY_MAX]:
-            out += _para(r, "    ", first="  - ")
-        if len(d["regressions"]) > SUMMARY_MAX:
-            out.append(f"  ... and {len(d['regressions']) - SUMMARY_MAX} more (--json lists "
-                       "them all)")
-    else:
-        out.append("No regression.")
+    out += _verdict(d["regressions"])
     return "\n".join(out) + "\n"
 
 

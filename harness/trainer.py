@@ -35,7 +35,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan")
+from harness import repro_script
+
+CORRUPTIONS = repro_script.CORRUPTIONS  # ("drop", "scale", "swap", "nothing", "nan")
 # Damage the model cannot even take, for the fault tests (not a parity self-test, so not
 # in CORRUPTIONS, which harness repro offers): narrow sends a 2-D weight one column short,
 # its update info agreeing.
@@ -76,47 +78,21 @@ class TrainerSpec:
 
 def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: str | None = None
                     ) -> tuple[list[tuple[str, Any]], str]:
-    """Return (weights, description). Deliberate damage for the self-tests; the input
-    list and its tensors are left unchanged."""
-    if kind is None:
-        return weights, "none"
-    if kind not in CORRUPTIONS + SHAPE_FAULTS:
-        raise ValueError(f"unknown corruption {kind!r}; known: "
-                         f"{', '.join(CORRUPTIONS + SHAPE_FAULTS)}")
+    """Return (weights, description). Deliberate damage for the self-tests (the
+    emitted repro script's own function, so a repro damages exactly what a test did),
+    plus the fault tests' ``narrow``; the input list and its tensors are left unchanged."""
+    if kind != "narrow":
+        return repro_script.corrupt_weights(weights, kind, target)
     names = [n for n, _ in weights]
     if target is not None and target not in names:
         raise ValueError(f"corruption target {target!r} is not a tensor of the model")
     mats = [n for n, t in weights if t.ndim == 2 and "embed" not in n and "wte" not in n]
     pick = target or (mats[len(mats) // 2] if mats else names[len(names) // 2])
-    if kind == "nothing":
-        return [], "sent no tensor at all"
-    if kind == "drop":
-        return [(n, t) for n, t in weights if n != pick], f"dropped {pick}"
-    if kind == "scale":
-        return [(n, t * 1.01 if n == pick else t) for n, t in weights], f"scaled {pick} by 1.01"
-    if kind == "nan":  # what a diverged training step pushes
-        return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
-    if kind == "narrow":  # a shape the model does not have; the update info agrees with it
-        t = dict(weights)[pick]
-        if t.ndim != 2 or t.shape[1] < 2:
-            raise ValueError(f"cannot narrow {pick} of shape {list(t.shape)}")
-        return ([(n, t[:, :-1].contiguous() if n == pick else x) for n, x in weights],
-                f"sent {pick} as {[t.shape[0], t.shape[1] - 1]} (the model's is {list(t.shape)})")
-    # swap: ``pick`` trades contents with another tensor of its shape
-    lookup = dict(weights)
-    same = [n for n in names if n != pick and tuple(lookup[n].shape) == tuple(lookup[pick].shape)]
-    if not same:
-        if target is not None:
-            raise ValueError(f"no other tensor has the shape of {target}: cannot swap it")
-        shapes: dict[tuple, list[str]] = {}
-        for n in names:
-            shapes.setdefault(tuple(lookup[n].shape), []).append(n)
-        pair = next((v[:2] for v in shapes.values() if len(v) >= 2), None)
-        if pair is None:
-            raise ValueError("no two tensors share a shape: cannot swap")
-        pick, same = pair[0], [pair[1]]
-    a, b = pick, same[0]
-    return [(b if n == a else a if n == b else n, lookup[n]) for n in names], f"swapped {a} and {b}"
+    t = dict(weights)[pick]  # a shape the model does not have; the update info agrees
+    if t.ndim != 2 or t.shape[1] < 2:
+        raise ValueError(f"cannot narrow {pick} of shape {list(t.shape)}")
+    return ([(n, t[:, :-1].contiguous() if n == pick else x) for n, x in weights],
+            f"sent {pick} as {[t.shape[0], t.shape[1] - 1]} (the model's is {list(t.shape)})")
 
 
 # ----------------------------------------------------------------------------- lies

@@ -22,7 +22,9 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
+
+from harness.repro_script import buckets  # one bucketing for the harness and the script
 
 BACKEND_NAME = "shm"
 ENGINE_CLASS = "ShmWeightTransferEngine"
@@ -57,21 +59,6 @@ class ShmSendStats:
     names: list[str] = field(default_factory=list)
 
 
-def _buckets(weights: Iterable[tuple[str, Any]], bucket_bytes: int | None
-             ) -> Iterator[list[tuple[str, Any]]]:
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, t in weights:
-        nbytes = t.numel() * t.element_size()
-        if bucket and bucket_bytes is not None and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
                  bucket_bytes: int | None = None, init: bool = True,
                  reprocess_tied: bool = False, bucket_delay_s: float = 0.0) -> ShmSendStats:
@@ -98,7 +85,7 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
         client.init_weight_transfer_engine(info)
     stats = ShmSendStats()
     client.start_weight_update()
-    for i, bucket in enumerate(_buckets(weights, bucket_bytes)):
+    for i, bucket in enumerate(buckets(weights, bucket_bytes)):
         if i and bucket_delay_s:
             print(f"shm: {i} bucket(s) acknowledged, waiting {bucket_delay_s}s", flush=True)
             time.sleep(bucket_delay_s)
