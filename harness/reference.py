@@ -14,6 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from .facts import canonical_dtype
 from .models import cache_root
 
 DEFAULT_PROMPTS = (
@@ -71,10 +72,10 @@ def _weights_fingerprint(model_dir: Path) -> str:
 
 
 def torch_dtype(name: str):
+    """``fp32`` / ``float32`` -> ``torch.float32`` (the names of harness.facts)."""
     import torch
 
-    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
+    return getattr(torch, canonical_dtype(name))
 
 
 def load_hf_model(model_dir: Path | str, dtype: str, device: str = "cpu"):
