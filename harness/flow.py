@@ -114,6 +114,10 @@ class SyncSession:
         try:
             lying = {"lie": lie} if lie else {}
             if fresh_trainer:
+                # The server's engine has one group: the new trainer's init replaces the
+                # one the persistent trainers opened (their next sync would fail, or
+                # over NCCL wait on a group nobody joins), so they go first.
+                self.pool.drop_trainers(self.server_cfg)
                 result = run_trainer(spec, weights, corrupt=corrupt,
                                      corrupt_target=corrupt_target, **lying,
                                      timeout=self.sync_timeout, log_dir=self.pool.log_dir,

@@ -266,3 +266,22 @@ def test_start_wall_time_counts_overlapping_starts_once():
                {"start_seconds": 30, "started_at": 100, "ready_at": 130}]  # later, alone
     assert start_figures(started) == {"servers_started": 3, "start_seconds_sum": 120,
                                       "start_wall_seconds": 80}
+
+
+def test_a_fresh_trainer_retires_the_servers_persistent_trainers():
+    """A new trainer's /init_weight_transfer_engine replaces the group the persistent
+    trainer opened: that trainer must not be used again (it once failed the next test
+    with 'outside the initialised root', and over NCCL it would wait on a dead group)."""
+    import harness.flow as flow
+
+    s = _session()
+    dropped = []
+    s.pool.drop_trainers = lambda cfg: dropped.append(cfg)
+    ran = []
+    real = flow.run_trainer
+    flow.run_trainer = lambda spec, weights, **kw: ran.append(weights) or {"first": True}
+    try:
+        s.sync(fresh_trainer=True)
+    finally:
+        flow.run_trainer = real
+    assert ran == ["/m"] and dropped == [s.server_cfg]
