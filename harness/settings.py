@@ -152,7 +152,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("vllm_sync_timeout", "seconds one whole trainer sync may take", 600.0,
            _positive_float),
     Option("vllm_max_servers", "servers alive at once, those starting ahead included "
-           "(default: 2 on a CPU host, 8 with GPUs)", None, lambda f, v: _count(f, v, 1)),
+           "(default: 3 on a CPU host, 8 with GPUs)", None, lambda f, v: _count(f, v, 1)),
     Option("vllm_attention_backend", "attention backend for GPU servers (default: "
            "FLEX_ATTENTION in float32, which FlashAttention 3 refuses)", None, _text),
     Option("vllm_api_key", "API key of the servers: started with it (as VLLM_API_KEY) and "
@@ -207,7 +207,8 @@ class Settings:
     def max_servers(self) -> int:
         if self.vllm_max_servers is not None:
             return self.vllm_max_servers
-        return 8 if self.gpus() > 0 else 2
+        # CPU: the group under test, its disk-loaded twin, and the next group starting
+        return 8 if self.gpus() > 0 else 3
 
     def as_dict(self) -> dict[str, Any]:
         """Every option's value; a secret one only as whether it is set."""
