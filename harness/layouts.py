@@ -22,6 +22,7 @@ class Layout:
     trainer_gpu: int | None         # None = CPU trainer
     engines: tuple[str, ...]        # weight-transfer engines this layout supports
     description: str = ""
+    opt_in: bool = False            # left out of the default selection (see LAYOUTS)
 
     @property
     def gpus_needed(self) -> int:
@@ -44,7 +45,14 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in [
            "not index"),
     Layout("3gpu-tp2", (0, 1), 2, 2, ("nccl", "shm"),
            "server tensor-parallel over GPUs 0-1, trainer on GPU 2 (NCCL)"),
+    # Tensor parallelism on the CPU: each rank takes the full tensors and keeps its shard,
+    # the path 3gpu-tp2 takes, on any host. Opt-in (a whole suite on it doubles the CPU
+    # run); tests/test_tensor_parallel.py pins itself to it.
+    Layout("cpu-tp2", (), 2, None, ("shm",),
+           "server tensor-parallel over two CPU ranks (one core each), trainer on the CPU",
+           opt_in=True),
 ]}
+DEFAULT_LAYOUTS = [n for n, l in LAYOUTS.items() if not l.opt_in]
 GPU_LAYOUTS = [n for n, l in LAYOUTS.items() if l.server_gpus]
 
 

@@ -32,6 +32,7 @@ MARKERS = (
     "models(*names): zoo models / paths this test runs on; --vllm-model narrows them",
     "dtypes(*names): dtypes this test runs on; --vllm-dtype narrows them",
     "backends(*ids): backend variants this test runs on; --vllm-backend narrows them",
+    "layouts(*names): layouts this test runs on; --vllm-layout narrows them",
     "fresh_server: the test needs a server that has never been synced (dummy weights)",
     "twin: the test also needs a second server that loads the model from disk",
     "parity: compares vLLM with the Hugging Face reference after a sync",
@@ -130,12 +131,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                               "vllm_dtype" in s.explicit, canonical_dtype)
     pinned_backends = _marker_args(d, "backends")
     backends = [b for b in s.vllm_backend if not pinned_backends or b in pinned_backends]
-    cases = build_cases(backends, s.vllm_layout, dtypes, models)
+    layouts = _settings.narrow(_marker_args(d, "layouts"), s.vllm_layout,
+                               "vllm_layout" in s.explicit)
+    cases = build_cases(backends, layouts, dtypes, models)
     if not cases:
         why = []
         for name, pinned, chosen in (("model", _marker_args(d, "models"), s.vllm_model),
                                      ("dtype", _marker_args(d, "dtypes"), s.vllm_dtype),
-                                     ("backend", pinned_backends, s.vllm_backend)):
+                                     ("backend", pinned_backends, s.vllm_backend),
+                                     ("layout", _marker_args(d, "layouts"), s.vllm_layout)):
             if pinned:
                 why.append(f"{name}s {', '.join(pinned)}")
         reason = (f"pinned to {'; '.join(why)}, none of them selected" if why

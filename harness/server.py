@@ -111,6 +111,24 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
     return argv
 
 
+def cpu_binding(ranks: int) -> str:
+    """``0|1`` for two ranks on two cores, ``0-3|4-7`` on eight: this process's cores,
+    split evenly (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ServerError(f"{ranks} tensor-parallel CPU ranks need {ranks} cores, "
+                          f"{len(cores)} available")
+    per = len(cores) // ranks
+    groups = [cores[i * per:(i + 1) * per] for i in range(ranks)]
+
+    def spell(g: list[int]) -> str:
+        if len(g) > 1 and g[-1] - g[0] == len(g) - 1:
+            return f"{g[0]}-{g[-1]}"
+        return ",".join(map(str, g))
+
+    return "|".join(spell(g) for g in groups)
+
+
 def build_env(cfg: ServerConfig) -> dict[str, str]:
     # The harness's own settings stay with the harness: vLLM warns about unknown
     # VLLM_* variables (and refuses them with --fail-on-environ-validation).
@@ -136,6 +154,10 @@ def build_env(cfg: ServerConfig) -> dict[str, str]:
         # (and 92% of its memory) that the GPU layouts' servers and trainers need.
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes far more
+        if cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            # vLLM binds each CPU rank's threads to a NUMA node of its own and refuses
+            # more ranks than nodes; split this process's cores among the ranks instead.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cfg.tensor_parallel_size)
     env.update(dict(cfg.extra_env))
     return env
 

@@ -141,8 +141,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("vllm_dtype", "dtype(s): float32/fp32, bfloat16/bf16", ["float32"], _dtype, True),
     Option("vllm_backend", "backend variant(s): " + ", ".join(VARIANTS), list(VARIANTS),
            _choice(VARIANTS, "backend"), True),
-    Option("vllm_layout", "layout(s): " + ", ".join(layouts.LAYOUTS), list(layouts.LAYOUTS),
-           _choice(layouts.LAYOUTS, "layout"), True),
+    Option("vllm_layout", "layout(s): " + ", ".join(layouts.LAYOUTS) + " (default: all but "
+           "the opt-in " + ", ".join(sorted(set(layouts.LAYOUTS) - set(layouts.DEFAULT_LAYOUTS)))
+           + ")", list(layouts.DEFAULT_LAYOUTS), _choice(layouts.LAYOUTS, "layout"), True),
     Option("vllm_gpus", "use at most this many GPUs (default: all visible)", None,
            lambda f, v: _count(f, v, 0)),
     Option("vllm_log_dir", "directory for per-server and per-trainer logs",
@@ -186,7 +187,7 @@ class Settings:
     vllm_model: tuple[str, ...] = ("llama",)
     vllm_dtype: tuple[str, ...] = ("float32",)
     vllm_backend: tuple[str, ...] = tuple(VARIANTS)
-    vllm_layout: tuple[str, ...] = tuple(layouts.LAYOUTS)
+    vllm_layout: tuple[str, ...] = tuple(layouts.DEFAULT_LAYOUTS)
     vllm_gpus: int | None = None
     vllm_log_dir: str = ".harness-cache/logs"
     vllm_start_timeout: float = 600.0

@@ -285,3 +285,19 @@ def test_a_fresh_trainer_retires_the_servers_persistent_trainers():
     finally:
         flow.run_trainer = real
     assert ran == ["/m"] and dropped == [s.server_cfg]
+
+
+def test_cpu_ranks_get_cores_of_their_own(monkeypatch):
+    import os
+
+    from harness.server import ServerError, cpu_binding
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_binding(2) == "0|1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_binding(2) == "0-3|4-7"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 4, 6})
+    assert cpu_binding(2) == "0,2|4,6"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ServerError, match="2 tensor-parallel CPU ranks need 2 cores, 1 available"):
+        cpu_binding(2)
