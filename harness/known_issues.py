@@ -523,9 +523,13 @@ def verify_main(argv: list[str]) -> int:
     missing = [c for c in checks if not c.backed]
     for c in checks:
         if c.backed:
-            names = sorted({n for n, _, _ in c.backed_by})
-            what = "FIXED there (the entry is wrong about it)" if c.fixed else "known"
-            print(f"ok       {c.id} {c.version}: {what} in {', '.join(names)}")
+            known = sorted({r for r, _, o in c.backed_by if o == "known"})
+            fixed = [n for _, n, o in c.backed_by if o == "fixed"]
+            what = f"known in {', '.join(known)}" if known else "ran"
+            if fixed:
+                what += (f"; FIXED there for {len(fixed)} test(s), the entry is wrong about "
+                         f"them: {', '.join(fixed)}")
+            print(f"ok       {c.id} {c.version}: {what}")
         else:
             print(f"NOT RUN  {c.id} {c.version}: {c.why_not}")
     for n in notes:

@@ -54,6 +54,21 @@ def test_a_fixed_outcome_backs_it_and_says_so():
     assert checks["0.32.0"].backed and checks["0.32.0"].fixed
 
 
+def test_cli_names_the_tests_an_entry_is_wrong_about(tmp_path, capsys):
+    toml = tmp_path / "k.toml"
+    toml.write_text('[[issue]]\nid = "bug"\nupstream = "u"\naffected = ">=0.26"\n'
+                    'symptom = "s"\ntests = ["tests/test_x.py::test_bug*"]\n'
+                    'checked = ["0.32.0"]\n')
+    fixed = NODE.replace("llama", "opt")
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps(_report(tests=[_test(), _test(nodeid=fixed, outcome="failed",
+                                                          xpass=True)])))
+    assert ki.main(["verify", "--file", str(toml), str(r)]) == 0
+    out = capsys.readouterr().out
+    assert f"ok       bug 0.32.0: known in {r}; FIXED there for 1 test(s), " \
+           f"the entry is wrong about them: {fixed}" in out
+
+
 def test_no_report_of_the_version():
     checks, _ = _one(_issue(checked=("0.26.0", "0.32.0")), _report(tests=[_test()]))
     assert checks["0.32.0"].backed
