@@ -11,11 +11,21 @@
 # or 2 when a run could not produce a report at all.
 #
 # Environment:
-#   UPGRADE_PYTEST_ARGS  what to run (default: the whole suite on the CPU layout, zoo model
-#                        llama, float32: '--vllm-layout cpu --vllm-model llama --vllm-dtype float32').
-#                        More models/dtypes multiply the run time (one server start, about a
-#                        minute on a CPU host, per model x dtype); widen it here, or narrow
-#                        it, e.g. 'tests/test_sync.py -k "not stream"'.
+#   UPGRADE_PYTEST_ARGS  what to run. Default: every server test (tests/, without
+#                        tests/unit, which does not depend on vLLM, and without the
+#                        `bench` marker) on the CPU layout with the reference backend shm
+#                        in float32, on EVERY zoo architecture:
+#                          tests --ignore=tests/unit -m "not bench"
+#                          --vllm-layout cpu --vllm-backend shm --vllm-dtype float32
+#                        No --vllm-model: the parity tests are pinned by markers to the
+#                        architectures (llama, llama-tied, opt, qwen3, gpt2, qwen3-moe,
+#                        smollm2), and the command line only narrows markers, so naming a
+#                        model would drop the architectures a regression could break. The
+#                        other tests run on the default model, llama. One server start
+#                        (about a minute on a CPU host) per architecture, plus its
+#                        disk-loaded twin and the fault tests' own servers.
+#   UPGRADE_PYTEST_EXTRA appended to the pytest arguments of both runs, e.g.
+#                        '--vllm-max-servers 1' on a small or shared host
 #   UPGRADE_STACK        report file prefix (default: cpu)
 #   UPGRADE_VENV_ROOT    where the virtual environments go (default: the repo root)
 #   PYTHON               interpreter used to create them (default: python3)
@@ -44,8 +54,8 @@ STACK=${UPGRADE_STACK:-cpu}
 VENV_ROOT=${UPGRADE_VENV_ROOT:-$ROOT}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-DEFAULT_ARGS='--vllm-layout cpu --vllm-model llama --vllm-dtype float32'
-PYTEST_ARGS=${UPGRADE_PYTEST_ARGS:-$DEFAULT_ARGS}
+DEFAULT_ARGS='tests --ignore=tests/unit -m "not bench" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32'
+PYTEST_ARGS="${UPGRADE_PYTEST_ARGS:-$DEFAULT_ARGS}${UPGRADE_PYTEST_EXTRA:+ $UPGRADE_PYTEST_EXTRA}"
 LOG_DIR=.harness-cache/upgrade
 mkdir -p reports "$LOG_DIR"
 

@@ -487,9 +487,16 @@ def test_committed_reports_still_diff(capsys):
     gpu1 = root / "gpu/h200-vllm-0.26.0-pause-resume-ipc.json"
 
     assert diff.main([str(old), str(new), "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["regressions"] == [
-        "/pause wait_for_inflight_requests=true removed (the deprecated flag for a /pause mode: "
-        "clients sending it break)"]
+    regressions = json.loads(capsys.readouterr().out)["regressions"]
+    # the architecture matrix (ci/upgrade.sh's default since the re-run): two architectures
+    # lose parity after a sync on 0.32.0, and the deprecated /pause flag is gone
+    assert "/pause wait_for_inflight_requests=true removed (the deprecated flag for a /pause " \
+           "mode: clients sending it break)" in regressions
+    for model, value in (("qwen3-moe", "1.049e-05 -> 11.6"), ("opt", "1.001e-05 -> 7.908")):
+        assert (f"tests/test_parity.py::test_architecture_parity[shm-cpu-fp32-{model}] "
+                f"max_abs_dlogprob {value} (above the float32 tolerance 0.0001)") in regressions
+    assert any(r.startswith("known issue cpu-moe-reload-unpacked-experts: not applied")
+               for r in regressions)
     assert diff.main([str(new), str(new)]) == 0
     assert diff.main([str(gpu_ipc), str(gpu_nccl), "--allow-missing"]) == 0
     assert diff.main([str(gpu1), str(new)]) == 2
