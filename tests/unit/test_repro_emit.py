@@ -64,7 +64,7 @@ def _load(path: Path):
 BAD_INPUT = [
     (["--layout", "1gpu-colocted"],
      "unknown --layout '1gpu-colocted'; known: cpu, 1gpu-colocated, 2gpu-split, "
-     "2gpu-ipc-gpu1, 3gpu-tp2"),
+     "2gpu-ipc-gpu1, 3gpu-tp2, cpu-tp2"),
     (["--backend", "ipc-packd"],
      "unknown --backend 'ipc-packd'; known: shm, nccl-packed, nccl-unpacked, ipc-packed, "
      "ipc-unpacked (nccl and ipc mean the packed variants)"),
