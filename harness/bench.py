@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .facts import run_command
 from .benchfile import (GB, MIB, PHASES, BenchFileError, limit_at, new_document, rate,
                         summarize_case, sync_record, write_json)
 from .benchfile import load as load_file
@@ -864,13 +865,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="harness bench", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # argparse: 2 for a usage error, 0 for --help
-        return int(e.code or 0)
-    return run(args)
+    return run_command("harness bench", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from . import benchfile, parity
-from .facts import UnknownDtype, canonical_dtype
+from .facts import UnknownDtype, canonical_dtype, run_command
 from .pause.openapi import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
 
 REGRESSION, WARN, INFO = "REGRESSION", "warn", "info"
@@ -930,13 +930,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="harness diff", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # argparse: 2 for a usage error, 0 for --help
-        return int(e.code or 0)
-    return run(args)
+    return run_command("harness diff", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

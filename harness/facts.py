@@ -153,3 +153,20 @@ HARNESS_LEGACY_ENV = frozenset({
 def legacy_env_free(environ) -> dict[str, str]:
     """A copy of ``environ`` without the harness's own legacy setting names."""
     return {k: v for k, v in environ.items() if k not in HARNESS_LEGACY_ENV}
+
+
+# ----------------------------------------------------------------------------- commands
+
+def run_command(prog: str, doc: str, add_arguments: Callable, run: Callable,
+                argv: list[str] | None = None) -> int:
+    """A subcommand's ``main``: parse, then run; argparse's own exit (2 for a usage
+    error, 0 for --help) becomes the return value instead of a SystemExit."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description=doc.strip().splitlines()[0])
+    add_arguments(p)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return run(args)

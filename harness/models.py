@@ -187,10 +187,16 @@ def model_dir(name: str) -> Path:
     final = cache_root() / "models" / f"{name}-{spec.cache_key()}"
     if (final / "harness-model.json").exists():
         return final
+    return build_into(final, lambda tmp: _builder(spec)(spec, tmp))
+
+
+def build_into(final: Path, build) -> Path:
+    """Run ``build(tmp)`` in a temporary sibling of ``final`` and rename it into place:
+    a crash or a concurrent builder never leaves a half-written directory behind."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        _builder(spec)(spec, tmp)
+        build(tmp)
         try:
             tmp.rename(final)
         except OSError:  # another process won the race; its copy is identical
@@ -342,9 +348,8 @@ def sized_model_dir(target_bytes: int, dtype: str) -> Path:
     final = cache_root() / "sized" / f"llama-{gb}-{config['dtype']}-{key}"
     if (final / "harness-model.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".sized-", dir=final.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         import transformers
 
         from .repro_script import build_tokenizer  # the zoo's tokenizer, from its recipe
@@ -356,14 +361,8 @@ def sized_model_dir(target_bytes: int, dtype: str) -> Path:
         meta = {"sized": True, "weights": WEIGHTLESS_MARKER, "target_bytes": int(target_bytes),
                 "params": config_params(config), "key": key}
         (tmp / "harness-model.json").write_text(json.dumps(meta, indent=1))
-        try:
-            tmp.rename(final)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_into(final, build)
 
 
 def is_weightless(model_dir: str | Path) -> bool:
