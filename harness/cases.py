@@ -3,8 +3,10 @@
 A case is backend variant x layout x dtype x model; its id reads
 ``<backend>-<layout>-<dtype>-<model>`` (``shm-cpu-fp32-llama``,
 ``ipc-packed-1gpu-colocated-fp32-llama``), so ``pytest -k ipc`` selects by backend.
-Cases that share a ``ServerConfig`` share a server: the packed and unpacked variants
-of one engine run against the same ``vllm serve`` process.
+Cases that share a ``ServerConfig`` share a server. The packed and unpacked variants
+of one engine would, but each of their seed flows needs never-synced weights, so each
+variant has a server of its own (``ServerConfig.variant``); the disk-loaded twin is
+shared (``twin_config``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class Case:
     def id(self) -> str:
         return (f"{self.backend.id}-{self.layout.name}-{facts.short_dtype(self.dtype)}-"
                 f"{Path(self.model).name}")
+
+    @property
+    def server_variant(self) -> str:
+        """What sets this case's server apart from its siblings' (same flags)."""
+        return self.backend.id
 
     def as_dict(self) -> dict:
         return {"backend": self.backend.id, "engine": self.backend.engine,
@@ -98,11 +105,13 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
               device_ids=lay.server_gpus, tensor_parallel_size=lay.tensor_parallel_size,
               attention_backend=attn,
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
-              kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None)
+              kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,
+              variant=case.server_variant)
     kw.update(overrides)
     return ServerConfig(**kw)
 
 
 def twin_config(cfg: ServerConfig, weights_dir: str | Path) -> ServerConfig:
-    """The same server, loading ``weights_dir`` from disk the normal way."""
-    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto")
+    """The same server, loading ``weights_dir`` from disk the normal way; one twin
+    serves every variant of the engine (it is never synced)."""
+    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto", variant="")

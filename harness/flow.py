@@ -14,9 +14,11 @@ repro commands narrate. No pytest here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import models, parity
 from .cases import Case, server_config_for, twin_config
@@ -29,27 +31,54 @@ from .trainer import TrainerSpec, run_trainer
 OnStep = Callable[..., None]
 
 
+# Where a test's time goes: each phase is reported as it ends (``on_record("phase",
+# {name: seconds})``), and the report adds what is left of the test's duration as
+# "other". The seed flow's steps are phases of their own.
+PHASES = ("server_wait", "reference", "before", "sync", "after", "observe", "twin_wait")
+
+
+def trainer_spec(case: Case, url: str, options: dict | None = None) -> TrainerSpec:
+    """The trainer of ``case`` against the server at ``url``: the spec the pool
+    prepares ahead for a planned server and the one a sync asks for are the same."""
+    lay = case.layout
+    return TrainerSpec.make(url=url, engine=case.backend.engine, packed=case.backend.packed,
+                            dtype=case.dtype, device=lay.trainer_device,
+                            options=dict(options or {}, device=lay.trainer_device))
+
+
 class SyncSession:
     def __init__(self, case: Case, pool: ServerPool, *, fresh: bool = False,
                  sync_timeout: float = 600.0, attention_backend: str | None = None,
                  on_record: Callable[[str, dict], None] | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, user: str = "a test"):
         self.case, self.pool = case, pool
         self.sync_timeout = sync_timeout
         self.on_record = on_record
+        self.user = user
+        self.metrics: dict[str, Any] = {}
         self.model_path: str = resolve_model_path(case.model)
         self.server_cfg: ServerConfig = server_config_for(case, self.model_path,
                                                           attention_backend=attention_backend,
                                                           api_key=api_key)
         self.current_server: VLLMServer | None = None
-        self.server = self.use_server(self.server_cfg, fresh=fresh)
+        with self.phase("server_wait"):
+            self.server = self.use_server(self.server_cfg, fresh=fresh)
         self.client = self.client_for(self.server)
-        self.metrics: dict[str, Any] = {}
         self._tokenizer = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` of the current test."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            if self.on_record is not None:
+                self.on_record("phase", {name: time.monotonic() - t0})
 
     # ------------------------------------------------------------------ servers
     def use_server(self, cfg: ServerConfig, *, fresh: bool = False) -> VLLMServer:
-        srv = self.pool.get(cfg, fresh=fresh)
+        srv = self.pool.get(cfg, fresh=fresh, user=self.user)
         srv.mark_log()
         self.current_server = srv
         return srv
@@ -59,7 +88,8 @@ class SyncSession:
 
     def twin(self, weights_dir: str | Path) -> tuple[VLLMServer, ServerClient]:
         """A second server that loads ``weights_dir`` from disk the normal way."""
-        srv = self.use_server(twin_config(self.server_cfg, weights_dir))
+        with self.phase("twin_wait"):
+            srv = self.use_server(twin_config(self.server_cfg, weights_dir))
         return srv, self.client_for(srv)
 
     # ------------------------------------------------------------------ weights
@@ -67,7 +97,8 @@ class SyncSession:
         return models.perturbed_copy(Path(self.model_path), seed, scale)
 
     def reference(self, weights_dir: str | Path | None = None, **kw: Any) -> Reference:
-        return hf_reference(weights_dir or self.model_path, self.case.dtype, **kw)
+        with self.phase("reference"):
+            return hf_reference(weights_dir or self.model_path, self.case.dtype, **kw)
 
     def decode(self, token: int) -> str:
         if self._tokenizer is None:
@@ -77,25 +108,27 @@ class SyncSession:
         return self._tokenizer.decode([token])
 
     # ------------------------------------------------------------------ observe
-    def observe(self, ref: Reference, client: ServerClient | None = None
-                ) -> list[parity.Observation]:
-        return parity.observe(client or self.client, ref)
+    def observe(self, ref: Reference, client: ServerClient | None = None, *,
+                phase: str = "observe") -> list[parity.Observation]:
+        with self.phase(phase):
+            return parity.observe(client or self.client, ref)
 
     def compare(self, ref: Reference, client: ServerClient | None = None) -> parity.ParityReport:
         return parity.compare(self.observe(ref, client), ref, decode=self.decode)
 
     # ------------------------------------------------------------------ sync
     def trainer_spec(self, options: dict | None = None) -> TrainerSpec:
-        lay = self.case.layout
-        return TrainerSpec.make(url=self.server.url, engine=self.case.backend.engine,
-                                packed=self.case.backend.packed, dtype=self.case.dtype,
-                                device=lay.trainer_device,
-                                options=dict(options or {}, device=lay.trainer_device))
+        return trainer_spec(self.case, self.server.url, options)
 
-    def sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
-             corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
-             pause_mode: str | None = None, options: dict | None = None,
-             fresh_trainer: bool = False) -> dict:
+    def sync(self, weights_dir: str | Path | None = None, **kw: Any) -> dict:
+        """``_sync``, timed as the test's "sync" phase."""
+        with self.phase("sync"):
+            return self._sync(weights_dir, **kw)
+
+    def _sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
+              corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
+              pause_mode: str | None = None, options: dict | None = None,
+              fresh_trainer: bool = False) -> dict:
         """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
 
         The server's persistent trainer for this backend variant does the work (its
@@ -191,7 +224,7 @@ class SyncSession:
                 return None
             except Exception as e:
                 why = f"pushing the model again after a deliberate corruption failed: {e}"
-        self.pool.discard(self.server_cfg)
+        self.pool.discard(self.server_cfg, f"after {self.user}: {why}")
         return f"server {self.server.url} restarted for the next test: {why}"
 
     def record(self, **metrics: Any) -> None:
@@ -234,18 +267,19 @@ def seed_flow(s: SyncSession, *, weights_dir: str | Path | None = None,
     say = on_step or (lambda name, **facts: None)
     ref = s.reference(weights_dir, **({"max_tokens": max_tokens} if max_tokens else {}))
     say("reference", reference=ref)
-    obs = s.observe(ref)
+    obs = s.observe(ref, phase="before")
     before = parity.compare(obs, ref, decode=s.decode)
     say("before", report=before, texts=[o.text for o in obs])
-    s.client.pause(pause_mode) if pause_mode else s.client.pause()
-    say("pause", mode=pause_mode, paused=s.client.is_paused())
-    try:
-        result = s.sync(weights_dir, corrupt=corrupt, options=options, pause=False)
-        say("sync", result=result)
-    finally:
-        s.client.resume()
-        say("resume", paused=s.client.is_paused())
-    obs_after = s.observe(ref)
+    with s.phase("sync"):  # /pause -> the trainer's push -> /resume
+        s.client.pause(pause_mode) if pause_mode else s.client.pause()
+        say("pause", mode=pause_mode, paused=s.client.is_paused())
+        try:
+            result = s._sync(weights_dir, corrupt=corrupt, options=options, pause=False)
+            say("sync", result=result)
+        finally:
+            s.client.resume()
+            say("resume", paused=s.client.is_paused())
+    obs_after = s.observe(ref, phase="after")
     after = parity.compare(obs_after, ref, decode=s.decode)
     say("after", report=after, texts=[o.text for o in obs_after])
     return FlowResult(ref, before, after, result, [o.text for o in obs], [o.text for o in obs_after])

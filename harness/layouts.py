@@ -113,3 +113,18 @@ def gpu_names() -> list[str]:
     names = [line.split(":", 1)[1].split("(UUID")[0].strip()
              for line in out.stdout.splitlines() if line.startswith("GPU ")]
     return names[:gpu_count()]
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_memory_gib() -> float | None:
+    """The first visible GPU's memory in GiB (``nvidia-smi``), for sizing how many
+    servers a run keeps alive; None without GPUs or nvidia-smi."""
+    if gpu_count() == 0 or not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        return float(out.stdout.split()[0]) / 1024  # MiB
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None

@@ -11,6 +11,7 @@ accepts both.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -18,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -175,19 +177,47 @@ def _builder(spec: ZooModel) -> Callable[[ZooModel, Path], None]:
     return _build_smollm2 if spec.real_weights else _build_tiny
 
 
+_BUILDING: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+
+
+def zoo_dir(name: str) -> Path:
+    """Where zoo model ``name`` is (or will be) built; nothing is built."""
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
+    return cache_root() / "models" / f"{name}-{ZOO[name].cache_key()}"
+
+
 def model_dir(name: str) -> Path:
     """Return the directory of zoo model ``name``, building it on first use.
 
     Builds go to a temporary sibling and are renamed into place, so a crash or a
-    concurrent builder never leaves a half-written model behind.
+    concurrent builder never leaves a half-written model behind; threads of one
+    process that want the same model build it once (the pool builds a server's model
+    in its start thread while a test may ask for it).
     """
-    if name not in ZOO:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
-    spec = ZOO[name]
-    final = cache_root() / "models" / f"{name}-{spec.cache_key()}"
+    final = zoo_dir(name)
     if (final / "harness-model.json").exists():
         return final
-    return build_into(final, lambda tmp: _builder(spec)(spec, tmp))
+    spec = ZOO[name]
+    with _BUILDING[name]:
+        if (final / "harness-model.json").exists():
+            return final
+        return build_into(final, lambda tmp: _builder(spec)(spec, tmp))
+
+
+def unavailable(model: str) -> str | None:
+    """Why zoo model ``model`` cannot be built here (None: it can, or it is no zoo
+    model), without building it."""
+    spec = ZOO.get(model)
+    if spec is None or not spec.real_weights or (zoo_dir(model) / "harness-model.json").exists():
+        return None
+    from .repro_script import Unusable, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except Unusable as e:
+        return f"{e}; or pass any local model directory or hub id with --vllm-model"
+    return None
 
 
 def build_into(final: Path, build) -> Path:
@@ -223,6 +253,21 @@ def classify_model(name_or_path: str) -> tuple[str, str]:
         f"model {name_or_path!r} is neither a zoo model ({', '.join(ZOO)}), an existing "
         "directory, nor a hub id of the form org/name"
     )
+
+
+def planned_path(name_or_path: str) -> str:
+    """The directory (or hub id) a model argument will be served from, without building
+    a zoo model: what a server plan is made of before anything is built."""
+    kind, value = classify_model(name_or_path)
+    return str(zoo_dir(value)) if kind == "zoo" else value
+
+
+def ensure_built(path: str) -> None:
+    """Build the zoo model whose directory ``path`` is, if it is one and not built."""
+    for name in ZOO:
+        if path == str(zoo_dir(name)):
+            model_dir(name)
+            return
 
 
 def resolve_model(name_or_path: str) -> tuple[str, Path | None]:

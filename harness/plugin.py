@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from . import models
+from . import plan as _plan
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
 from .facts import canonical_dtype, installed_vllm, dist_version
-from .flow import FlowResult, SyncSession, resolve_model_path, seed_flow
+from .flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable
 from .server import ServerConfig, ServerError
@@ -57,8 +59,11 @@ class RunState:
     deselected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     items: list = dataclasses.field(default_factory=list)   # items that take a case
     outcomes: dict[str, FlowResult | BaseException] = dataclasses.field(default_factory=dict)
+    plan: _plan.Plan | None = None
+    schedule: _plan.Schedule | None = None
     last_use: dict[str, list[ServerConfig]] = dataclasses.field(default_factory=dict)
     gpu_cases: dict[str, str] = dataclasses.field(default_factory=dict)  # nodeid -> outcome
+    stop_error: str | None = None
 
 
 STATE = pytest.StashKey[RunState]()
@@ -163,11 +168,24 @@ def _case_of(item: pytest.Item) -> Case | None:
     return case if isinstance(case, Case) else None
 
 
-def _server_key(item: pytest.Item) -> tuple:
+def _need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
+          ) -> _plan.Need | None:
+    """What ``item`` needs of the pool (None: no case, or a model that cannot be built
+    here, whose tests skip saying why). Builds nothing."""
     case = _case_of(item)
     if case is None:
-        return ("",)
-    return (case.model, case.dtype, case.backend.engine, case.layout.name)
+        return None
+    if case.model not in paths:
+        paths[case.model] = "" if models.unavailable(case.model) else models.planned_path(case.model)
+    if not paths[case.model]:
+        return None
+    cfg = server_config_for(case, paths[case.model], attention_backend=s.vllm_attention_backend,
+                            api_key=s.vllm_api_key)
+    return _plan.Need(item.nodeid, cfg,
+                      twin_config(cfg, paths[case.model]) if item.get_closest_marker("twin")
+                      else None,
+                      fresh=item.get_closest_marker("fresh_server") is not None,
+                      breaks=item.get_closest_marker("breaks_server") is not None)
 
 
 def pytest_collection_modifyitems(session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -190,56 +208,91 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     if not in_use:  # a project that does not use the harness: leave its tests alone
         return
     known_issues.mark_known_issues(config, items, state.settings.vllm_url)
-    # Tests grouped by the server they need (each server starts once and stops after
-    # its last test); within a group, tests that need never-synced weights first, and
-    # tests that may break the server last (nothing after them pays for a restart).
-    order = {id(it): i for i, it in enumerate(items)}
-    items.sort(key=lambda it: (_server_key(it), 0 if it.get_closest_marker("fresh_server") else
-                               2 if it.get_closest_marker("breaks_server") else 1,
-                               order[id(it)]))
+    # Tests grouped by the server they need, in the order harness.plan makes them: each
+    # server starts once and stops after its last test.
+    paths: dict[str, str] = {}
+    keys = {id(it): (_plan.order_key(_need(it, state.settings, paths)), i)
+            for i, it in enumerate(items)}
+    items.sort(key=lambda it: keys[id(it)])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The plan, from the tests that will run (-k, -m and every other deselection have
+    happened): printed with --harness-plan, which then runs nothing."""
+    state = session.config.stash.get(STATE, None)
+    if state is None:
+        return
+    state.items = [it for it in session.items if _case_of(it) is not None]
+    if not state.items:
+        return
+    s = state.settings
+    paths: dict[str, str] = {}
+    needs = [n for n in (_need(it, s, paths) for it in state.items) if n is not None]
+    state.plan = _plan.make_plan(needs, s.host(), max_starting=s.vllm_max_starting,
+                                 max_alive=s.vllm_max_servers)
+    state.schedule = _plan.simulate(state.plan, *_plan.estimates(state.plan.host))
+    state.last_use = state.plan.last_use()
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        for line in header_lines(s, state.plan):
+            tr.write_line(line)
+    if s.harness_plan:
+        if tr is not None:
+            for line in _plan.describe(state.plan, state.schedule,
+                                       verbose=session.config.option.verbose > 0):
+                tr.write_line(line)
+        session.config.option.collectonly = True  # the plan is all this run does
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session: pytest.Session):
+    """Servers start before the first test runs (while the tests that need none run)
+    and are all stopped when the last one is done."""
+    state = session.config.stash.get(STATE, None)
+    runs = not session.config.option.collectonly and not (
+        session.testsfailed and not session.config.option.continue_on_collection_errors)
+    if state is not None and state.plan is not None and runs:
+        _start_pool(session.config, state)
+    try:
+        yield
+    finally:
+        if state is not None and state.pool is not None:
+            try:
+                state.pool.stop_all()
+            except ServerError as e:
+                state.stop_error = str(e)
+
+
+def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
+    s = state.settings
+    log_dir = Path(s.vllm_log_dir)
+    if not log_dir.is_absolute():
+        log_dir = Path(config.rootpath) / log_dir
+    plan = state.plan
+    pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
+                                   max_alive=plan.max_alive if plan else 2,
+                                   max_starting=plan.max_starting if plan else 1,
+                                   url=s.vllm_url)
+    if plan is not None:
+        # every planned server's trainer: started and prepared as soon as it is up
+        paths: dict[str, str] = {}
+        needs = {it.nodeid: _need(it, s, paths) for it in state.items}
+        warm = {needs[it.nodeid].server: [(trainer_spec(_case_of(it), url=""),
+                                           needs[it.nodeid].server.model)]
+                for it in state.items if needs[it.nodeid] is not None}
+        pool.plan(plan.configs(), warm)
+    return pool
 
 
 # ----------------------------------------------------------------------------- fixtures
 
-def _configs_of(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
-                ) -> list[ServerConfig]:
-    case = _case_of(item)
-    path = paths.setdefault(case.model, resolve_model_path(case.model))
-    cfg = server_config_for(case, path, attention_backend=s.vllm_attention_backend,
-                            api_key=s.vllm_api_key)
-    return [cfg, twin_config(cfg, path)] if item.get_closest_marker("twin") else [cfg]
-
-
 @pytest.fixture(scope="session")
-def server_pool(request: pytest.FixtureRequest):
-    """The session's servers: planned from the collected tests, started side by side,
-    each stopped after the last test that needs it."""
+def server_pool(request: pytest.FixtureRequest) -> ServerPool:
+    """The session's servers: planned from the selected tests and started before the
+    first test (``pytest_runtestloop``), each stopped after the last test that needs it."""
     state = request.config.stash[STATE]
-    s = state.settings
-    log_dir = Path(s.vllm_log_dir)
-    if not log_dir.is_absolute():
-        log_dir = Path(request.config.rootpath) / log_dir
-    pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
-                                   max_alive=s.max_servers(), url=s.vllm_url)
-    paths: dict[str, str] = {}
-    plan: list[ServerConfig] = []
-    last: dict[ServerConfig, str] = {}
-    # The items that will run: -k, -m and every other deselection have happened by now
-    # (planning from what was collected started servers no selected test needed).
-    state.items = [it for it in request.session.items if _case_of(it) is not None]
-    for item in state.items:
-        try:
-            configs = _configs_of(item, s, paths)
-        except ModelUnavailable:
-            continue  # its tests skip, each saying why
-        for cfg in configs:
-            plan.append(cfg)
-            last[cfg] = item.nodeid
-    for cfg, nodeid in last.items():
-        state.last_use.setdefault(nodeid, []).append(cfg)
-    pool.plan(plan)
-    yield pool
-    pool.stop_all()
+    return state.pool or _start_pool(request.config, state)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -260,7 +313,8 @@ def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
     try:
         sess = SyncSession(case, pool, fresh=fresh, sync_timeout=s.vllm_sync_timeout,
                            attention_backend=s.vllm_attention_backend, api_key=s.vllm_api_key,
-                           on_record=lambda kind, data: node.user_properties.append((kind, data)))
+                           on_record=lambda kind, data: node.user_properties.append((kind, data)),
+                           user=node.nodeid)
     except (NeedsFreshServer, ModelUnavailable) as e:
         pytest.skip(str(e).splitlines()[0])
     except (ServerUnavailable, ServerError) as e:
@@ -330,6 +384,7 @@ def synced(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool) 
         request.node.user_properties.append(("metrics", dict(got.session.metrics)))
         got.session.on_record = (lambda kind, data, node=request.node:
                                  node.user_properties.append((kind, data)))
+        got.session.user = request.node.nodeid
         request.node.stash[_SESSION] = got.session
     return got
 
@@ -356,18 +411,7 @@ def pytest_runtest_makereport(item: pytest.Item, call):
                                  f"full log {srv.log_path})", "\n".join(lines[-200:])))
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    state = session.config.stash.get(STATE, None)
-    if state is None or not state.items:
-        return
-    tr = session.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None:
-        return
-    for line in header_lines(state.settings):
-        tr.write_line(line)
-
-
-def header_lines(s: _settings.Settings) -> list[str]:
+def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[str]:
     from .models import cache_root
 
     version, dist = installed_vllm()
@@ -377,8 +421,9 @@ def header_lines(s: _settings.Settings) -> list[str]:
         f"transformers {dist_version('transformers')}, GPUs {s.gpus()}",
         f"  models {list(s.vllm_model)}, dtypes {list(s.vllm_dtype)}, "
         f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}",
-        f"  cache {cache_root()}, server url {s.vllm_url or '(started per config)'}, "
-        f"servers alive at once {s.max_servers()}",
+        f"  cache {cache_root()}, server url {s.vllm_url or '(started per config)'}"
+        + (f", {len(plan.servers)} servers planned, {plan.max_starting} starting at once, "
+           f"{plan.max_alive} alive" if plan else ""),
     ]
 
 
@@ -392,18 +437,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         tr.write_line(f"deselected {n}: {reason}")
     if state.pool is not None:
         f = state.pool.start_figures()
-        tr.write_line(f"vLLM servers started: {f['servers_started']}; start time "
-                      f"{f['start_seconds_sum']:.0f}s summed, {f['start_wall_seconds']:.0f}s "
-                      f"wall; suite wall time {time.monotonic() - state.t0:.1f}s")
+        planned = f" of {len(state.plan.servers)} planned" if state.plan else ""
+        tr.write_line(f"vLLM servers started: {f['servers_started']}{planned}, "
+                      f"{f['restarts']} restarts; start time {f['start_seconds_sum']:.0f}s "
+                      f"summed, {f['start_wall_seconds']:.0f}s wall; suite wall time "
+                      f"{time.monotonic() - state.t0:.1f}s")
         for srv in state.pool.started:
             tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  {srv['config']}")
+        for r in state.pool.restarts:
+            tr.write_line(f"restarted {r['config']}: {r['reason']}")
         for o in state.pool.reaped:
             tr.write_line(f"reaped an orphan of a run that was killed: {o.describe()}")
+    if state.stop_error:
+        tr.write_line(f"stopping the servers failed: {state.stop_error}", red=True)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(STATE, None)
+    if state is not None and state.stop_error:  # processes may be left: the run failed
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if state is None or not state.settings.harness_require_gpu:
         return
     ran = [o for o in state.gpu_cases.values() if o != "skipped"]

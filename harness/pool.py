@@ -1,13 +1,20 @@
 """The server pool: servers started side by side, shared, and stopped after their last use.
 
 Server start-up, not the data, decides how long a run takes (30-60 s on CPU, 40-80 s
-on a GPU, each). The pool is told, in test order, which server configurations the
-selected tests need (``plan``) and keeps up to ``max_alive`` servers alive or starting:
-while tests run on one server, the next ones start in the background. A server is
-stopped once no remaining test needs it (``release``).
+on a GPU, each). The pool is told, in order of first use, which server configurations
+the selected tests need (``plan``; ``harness.plan`` makes that order) and starts them
+in that order, ``max_starting`` at a time (starts are CPU-bound), keeping at most
+``max_alive`` alive or starting (servers cost memory): while tests run on one server,
+the next ones start in the background. A server is stopped once no remaining test
+needs it (``release``).
 
 Each server has one persistent trainer per backend variant (``trainer``): the group
-is opened once and every later sync reuses it, as RL trainers do.
+is opened once and every later sync reuses it, as RL trainers do. Planned trainers are
+started and prepared (imports, CUDA context, weights) as soon as their server is up.
+
+Every start of a configuration that was started before is a restart, recorded in
+``restarts`` with the reason it was stopped (a test needed never-synced weights, a
+test broke it, room was needed): a plan that is followed needs none.
 
 A server that failed to start, or that died after it was handed out, is not started
 again: every later ``get`` for its configuration raises ``ServerUnavailable`` with the
@@ -26,15 +33,15 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import dataclasses
 import enum
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from . import reaper
+from . import models, reaper
 from .server import ServerConfig, ServerError, VLLMServer
-from .trainer import Trainer, TrainerSpec
+from .trainer import Trainer, TrainerError, TrainerSpec
 
 
 class ServerUnavailable(RuntimeError):
@@ -52,7 +59,7 @@ class State(enum.Enum):
     INCOMPLETE = "sync did not complete"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Holding:
     """What a server's weights are: ``weights`` (a directory) in ``state``."""
 
@@ -65,31 +72,46 @@ class Holding:
 
 class ServerPool:
     def __init__(self, log_dir: Path, *, start_timeout: float, max_alive: int,
-                 url: str | None = None, reap: bool = True):
+                 max_starting: int | None = None, url: str | None = None, reap: bool = True):
         self.reaped: list[reaper.Orphan] = reaper.reap() if reap else []
         self.log_dir, self.start_timeout, self.url = Path(log_dir), start_timeout, url
         self.max_alive = max(1, max_alive)
+        self.max_starting = max(1, min(max_starting or self.max_alive, self.max_alive))
+        self.t0 = time.monotonic()
         self.servers: dict[ServerConfig, VLLMServer] = {}
         self.holding: dict[ServerConfig, Holding] = {}
         self.poisoned: dict[ServerConfig, str] = {}
         self.started: list[dict] = []         # one record per server start, for reports
+        self.restarts: list[dict] = []        # starts of a configuration started before
         self.trainers: dict[tuple[ServerConfig, TrainerSpec], Trainer] = {}
         self._plan: list[ServerConfig] = []   # configs still to be used, in order
+        self._warm: dict[ServerConfig, list[tuple[TrainerSpec, str]]] = {}
         self._starting: dict[ServerConfig, cf.Future] = {}
         self._booting: dict[ServerConfig, VLLMServer] = {}  # inside start(), for stop_all
+        self._ever: set[ServerConfig] = set()
+        self._stopped_why: dict[ServerConfig, str] = {}
+        self._closed = False
+        self._planned: set[ServerConfig] = set()
+        self._unplanned: dict[ServerConfig, str] = {}
         self._lock = threading.RLock()
-        self._executor = cf.ThreadPoolExecutor(max_workers=self.max_alive,
+        self._executor = cf.ThreadPoolExecutor(max_workers=self.max_starting,
                                                thread_name_prefix="server-start")
         atexit.register(self.stop_all)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, configs: list[ServerConfig]) -> None:
+    def plan(self, configs: list[ServerConfig],
+             warm: dict[ServerConfig, list[tuple[TrainerSpec, str]]] | None = None) -> None:
         """The configurations the run will use, in order of first use (repeats are
-        fine). Servers for the first ``max_alive`` start now, side by side."""
+        fine). The first ones start now, ``max_starting`` at a time, up to
+        ``max_alive``. ``warm``: per configuration, the trainers (spec without a URL,
+        weights) to start and prepare as soon as its server is up (imports, the CUDA
+        context and the weights on the device then cost no test any time)."""
         if self.url:
             return
         with self._lock:
             self._plan = list(dict.fromkeys(configs))
+            self._planned = set(self._plan)
+            self._warm = dict(warm or {})
         self._start_ahead()
 
     def release(self, cfg: ServerConfig) -> None:
@@ -98,41 +120,112 @@ class ServerPool:
             if cfg in self._plan:
                 self._plan.remove(cfg)
         if cfg in self.servers and not self.url:
-            self._stop(cfg)
+            self._stop(cfg, "no later test needs it")
         self._start_ahead()
 
     def _start_ahead(self) -> None:
         with self._lock:
             for cfg in self._plan:
-                if len(self.servers) + len(self._starting) >= self.max_alive:
+                if (len(self._starting) >= self.max_starting
+                        or len(self.servers) + len(self._starting) >= self.max_alive):
                     break
                 if cfg in self.servers or cfg in self._starting or cfg in self.poisoned:
                     continue
-                self._starting[cfg] = self._executor.submit(self._start, cfg)
+                self._submit(cfg)
+
+    def _submit(self, cfg: ServerConfig) -> cf.Future:
+        future = self._starting[cfg] = self._executor.submit(self._start_job, cfg)
+        return future
+
+    def _start_job(self, cfg: ServerConfig) -> VLLMServer:
+        """A start in the background: the server joins ``servers`` once it is up (or
+        its configuration is poisoned), and the next planned start may begin."""
+        try:
+            srv = self._start(cfg)
+        except ServerError as e:
+            with self._lock:
+                self._starting.pop(cfg, None)
+                self.poisoned[cfg] = (f"the server for this configuration failed to start "
+                                      f"earlier; not retried:\n{e}")
+            self._start_ahead()
+            raise
+        except BaseException:
+            with self._lock:
+                self._starting.pop(cfg, None)
+            raise
+        with self._lock:
+            self._starting.pop(cfg, None)
+            self.servers[cfg] = srv
+            self.holding[cfg] = Holding()
+        self._start_ahead()
+        return srv
 
     def _start(self, cfg: ServerConfig) -> VLLMServer:
         srv = VLLMServer(cfg, log_dir=self.log_dir, start_timeout=self.start_timeout)
         t0 = time.monotonic()
         with self._lock:
+            if self._closed:
+                raise ServerError(f"not started: the run is ending ({cfg.describe()})")
             self._booting[cfg] = srv
+            together = len(self._booting)
+            again = cfg in self._ever
+            self._ever.add(cfg)
+            why = self._stopped_why.pop(cfg, "it was stopped earlier")
         try:
+            try:  # a zoo model is built in its server's start, beside the other starts
+                models.ensure_built(cfg.model)
+            except models.ModelUnavailable as e:
+                raise ServerError(f"cannot start {cfg.describe()}: {e}") from None
+            built = time.monotonic() - t0
             srv.start()
         finally:
             with self._lock:
                 self._booting.pop(cfg, None)
+        record = {"config": cfg.describe(), "start_seconds": srv.start_seconds,
+                  "version": srv.version, "log": str(srv.log_path),
+                  "started_at": round(t0 - self.t0, 3),
+                  "ready_at": round(time.monotonic() - self.t0, 3),
+                  "starting_together": together, "model_seconds": round(built, 3)}
+        if again:
+            record["restart_reason"] = why
+        if cfg in self._unplanned:
+            record["unplanned"] = f"not in the plan; started for {self._unplanned[cfg]}"
+        record.update(self._prepare_trainers(cfg, srv))
         with self._lock:
-            self.started.append({"config": cfg.describe(), "start_seconds": srv.start_seconds,
-                                 "version": srv.version, "log": str(srv.log_path),
-                                 "started_at": round(t0, 3),
-                                 "ready_at": round(time.monotonic(), 3)})
+            self.started.append(record)
+            if again:
+                self.restarts.append({"config": cfg.describe(), "reason": why,
+                                      "at": record["started_at"]})
         return srv
 
+    def _prepare_trainers(self, cfg: ServerConfig, srv: VLLMServer) -> dict:
+        """The planned trainers of a server that just came up, started and prepared."""
+        out: dict = {}
+        for spec, weights in self._warm.get(cfg, []):
+            spec = dataclasses.replace(spec, url=srv.url)
+            t = Trainer(spec, log_dir=self.log_dir, context=srv.describe_failure,
+                        api_key=cfg.api_key)
+            t0 = time.monotonic()
+            try:
+                t.prepare(weights, timeout=self.start_timeout)
+            except TrainerError as e:  # the first sync starts one again and says why
+                t.close()
+                out["trainer_prepare_error"] = str(e).splitlines()[0]
+                continue
+            out["trainer_prepare_seconds"] = round(time.monotonic() - t0, 3)
+            with self._lock:
+                self.trainers.setdefault((cfg, spec), t)
+        return out
+
     # ------------------------------------------------------------------ servers
-    def get(self, cfg: ServerConfig, *, fresh: bool = False) -> VLLMServer:
-        """The server for ``cfg``; ``fresh``: one that has never been synced."""
+    def get(self, cfg: ServerConfig, *, fresh: bool = False,
+            user: str = "a test") -> VLLMServer:
+        """The server for ``cfg``; ``fresh``: one that has never been synced. ``user``
+        names who asks, for the reason of a restart."""
         if self.url:
             srv = self.servers.get(cfg) or VLLMServer.attach(self.url, cfg)
-            if fresh and self.holding.get(cfg, Holding()).state is not State.DUMMY:
+            # one server stands for every configuration: its weights are one state
+            if fresh and any(h.state is not State.DUMMY for h in self.holding.values()):
                 raise NeedsFreshServer("needs a never-synced server; an attached server "
                                        "(--vllm-url) cannot be restarted")
             self.servers[cfg] = srv
@@ -142,43 +235,40 @@ class ServerPool:
         srv = self.servers.get(cfg)
         if srv is not None and not srv.alive():
             raise ServerUnavailable(self.mark_dead(cfg))
-        if srv is not None and fresh and self.holding.get(cfg) is not None \
-                and self.holding[cfg].state is not State.DUMMY:
-            self._stop(cfg)
+        if srv is not None and fresh and self.holding_of(cfg).state is not State.DUMMY:
+            self._stop(cfg, f"{user} needs never-synced weights, and the server held "
+                            f"{self.holding_of(cfg).state.value}")
             srv = None
         if srv is None:
-            srv = self._wait_or_start(cfg)
+            srv = self._wait_or_start(cfg, user)
         with self._lock:  # most recently used goes last
             self.servers[cfg] = self.servers.pop(cfg)
         self._start_ahead()
         return srv
 
-    def _wait_or_start(self, cfg: ServerConfig) -> VLLMServer:
+    def _wait_or_start(self, cfg: ServerConfig, user: str) -> VLLMServer:
         with self._lock:
+            if cfg in self.servers:
+                return self.servers[cfg]
             future = self._starting.get(cfg)
             if future is None:
-                self._make_room()
-                future = self._starting[cfg] = self._executor.submit(self._start, cfg)
-        try:
-            srv = future.result()
-        except ServerError as e:
-            self.poisoned[cfg] = (f"the server for this configuration failed to start "
-                                  f"earlier; not retried:\n{e}")
-            raise
-        finally:
-            with self._lock:
-                self._starting.pop(cfg, None)
+                if cfg not in self._planned:  # the plan missed it: the report says so
+                    self._unplanned.setdefault(cfg, user)
+                self._make_room(user)
+                future = self._submit(cfg)
+        srv = future.result()  # a failed start raises, and its configuration is poisoned
         with self._lock:
-            self.servers[cfg] = srv
-            self.holding[cfg] = Holding()
+            self.servers.setdefault(cfg, srv)
         return srv
 
-    def _make_room(self) -> None:
-        """Stop the least recently used servers until a start fits under max_alive;
-        servers still planned are stopped last."""
+    def _make_room(self, user: str) -> None:
+        """Stop servers until a start fits under max_alive: those no later test needs
+        first, then the one whose first planned use is furthest away."""
         while self.servers and len(self.servers) + len(self._starting) >= self.max_alive:
-            idle = [c for c in self.servers if c not in self._plan] or list(self.servers)
-            self._stop(idle[0])
+            idle = [c for c in self.servers if c not in self._plan]
+            victim = idle[0] if idle else max(self.servers, key=self._plan.index)
+            self._stop(victim, f"stopped to make room for a server {user} needed "
+                               f"(at most {self.max_alive} alive)")
 
     def mark_dead(self, cfg: ServerConfig, during: str | None = None) -> str | None:
         """If ``cfg``'s server has died, stop what is left of its process tree and make
@@ -192,7 +282,7 @@ class ServerPool:
                f"it fails with this cause:\n{srv.describe_failure()}")
         self.poisoned[cfg] = why
         try:
-            self._stop(cfg)  # engine core or workers may outlive the API server
+            self._stop(cfg, "it died")  # engine core or workers may outlive the API server
         except ServerError as e:
             self.poisoned[cfg] = why = f"{why}\n{e}"
         return why
@@ -222,24 +312,27 @@ class ServerPool:
             self.trainers.pop(key).close()
 
     # ------------------------------------------------------------------ stop
-    def discard(self, cfg: ServerConfig) -> None:
-        """Stop a server whose state cannot be trusted; the next user gets a new one."""
+    def discard(self, cfg: ServerConfig, why: str = "its state could not be trusted") -> None:
+        """Stop a server whose state cannot be trusted; the next user gets a new one,
+        and the restart is recorded with ``why``."""
         if cfg in self.servers and not self.url:
-            self._stop(cfg)
+            self._stop(cfg, why)
 
-    def _stop(self, cfg: ServerConfig) -> None:
+    def _stop(self, cfg: ServerConfig, why: str) -> None:
         self.drop_trainers(cfg)
         with self._lock:
             srv = self.servers.pop(cfg, None)
             self.holding.pop(cfg, None)
+            self._stopped_why[cfg] = why
         if srv is not None:
             srv.stop()
 
     def stop_all(self) -> None:
         with self._lock:
+            self._closed = True
             self._plan = []
             booting = list(self._booting.values())
-            starting = list(self._starting.values())
+            starting = [f for f in self._starting.values() if not f.cancel()]
         errors = []
         for srv in booting:  # a start under way is cut short: its process tree is stopped
             try:
@@ -253,10 +346,10 @@ class ServerPool:
                 pass
         for cfg in list(self.servers):
             try:
-                self._stop(cfg)
+                self._stop(cfg, "the run ended")
             except ServerError as e:
                 errors.append(str(e))
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown(wait=False, cancel_futures=True)
         if errors:
             raise ServerError("\n".join(errors))
 
@@ -278,4 +371,5 @@ def start_figures(started: list[dict]) -> dict:
             wall += b - end
             end = b
     return {"servers_started": len(started), "start_seconds_sum": round(total, 1),
-            "start_wall_seconds": round(wall, 1)}
+            "start_wall_seconds": round(wall, 1),
+            "restarts": sum(1 for s in started if "restart_reason" in s)}

@@ -15,9 +15,18 @@ of the session it writes one JSON document:
                   ``new_failures`` and ``fixed_known_issues`` (node ids)
 ``tests``         per test: nodeid, outcome (passed / failed / error / skipped /
                   xfailed / xpassed), duration, skip or xfail reason, known-issue id,
-                  case fields, metrics merged from ``user_properties``, failure message
+                  case fields, metrics merged from ``user_properties``, failure message,
+                  ``timing``: seconds per phase (server_wait, reference, before, sync,
+                  after, observe, twin_wait) and ``other``, the rest of its duration
 ``known_issues``  every entry of the known-issues file and whether it applied here
-``servers``       the vLLM servers started: config, start seconds, version, log
+``servers``       the vLLM servers started: config, start seconds, version, log, when
+                  (seconds after the pool was made), how many started together, the
+                  reason of a restart, the trainers prepared on it
+``plan``          the server plan (harness.plan): every server with its tests, starts,
+                  planned and contingent restarts, the host it was sized for, and the
+                  expected waves and wall time
+``timing``        starts and restarts (with reasons), start time summed and as wall
+                  time, test time, every sync, and the tests' phases summed
 
 ``harness diff A.json B.json`` compares two of these. JUnit XML (``--junitxml``) is
 untouched; ``case``, ``metrics`` and ``known_issue`` also land there as properties.
@@ -44,7 +53,7 @@ import pytest
 from .facts import dist_version, installed_vllm
 from .pause.openapi import pause_capabilities  # the pause checks' own parse
 
-SCHEMA_VERSION = 2  # 2: per-test "syncs", top-level "timing"
+SCHEMA_VERSION = 3  # 2: per-test "syncs", top-level "timing"; 3: per-test "timing", "plan"
 PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
 
@@ -209,6 +218,7 @@ class _TestRecord:
 
     def as_dict(self) -> dict:
         case, metrics, known, syncs = None, {}, None, []
+        timing: dict[str, float] = {}
         for name, value in self.props:
             if name == "case" and isinstance(value, dict):
                 case = value
@@ -216,13 +226,20 @@ class _TestRecord:
                 metrics.update(value)
             elif name == "sync" and isinstance(value, dict):
                 syncs.append(value)
+            elif name == "phase" and isinstance(value, dict):
+                for phase, seconds in value.items():
+                    timing[phase] = timing.get(phase, 0.0) + seconds
             elif name == "known_issue":
                 known = value
+        if timing:  # where the test's time went; "other" is what no phase accounts for
+            timing = {k: round(v, 3) for k, v in timing.items()}
+            timing["other"] = round(max(0.0, self.duration - sum(timing.values())), 3)
         return {"nodeid": self.nodeid, "outcome": self.outcome(),
                 "duration": round(self.duration, 3), "reason": self.reason,
                 "known_issue": known,
                 "xpass_strict": "xpassed_strict" in self.phases.values(),
                 "case": case, "metrics": _json_safe(metrics), "syncs": _json_safe(syncs),
+                "timing": timing,
                 "message": self.message,
                 "phases": dict(self.phases)}
 
@@ -443,10 +460,23 @@ class ReportPlugin:
         differ when servers start side by side), test time, and every sync."""
         pool = self._pool()
         figures = pool.start_figures() if pool is not None else {
-            "servers_started": 0, "start_seconds_sum": 0.0, "start_wall_seconds": 0.0}
+            "servers_started": 0, "start_seconds_sum": 0.0, "start_wall_seconds": 0.0,
+            "restarts": 0}
         tests = [r.as_dict() for r in self.records.values()]
         syncs = [x for t in tests for x in t.get("syncs") or []]
+        phases: dict[str, float] = {}
+        for t in tests:
+            for k, v in (t.get("timing") or {}).items():
+                phases[k] = round(phases.get(k, 0.0) + v, 1)
+        plan = getattr(self.state, "plan", None)
         return {**figures,
+                "servers_planned": len(plan.servers) if plan is not None else None,
+                "restart_reasons": list(pool.restarts) if pool is not None else [],
+                # seconds from the session's start (the plugin's configure) until the
+                # pool was made, i.e. collection and planning
+                "pool_made_at": (round(pool.t0 - self.state.t0, 1) if pool is not None
+                                 else None),
+                "phase_seconds_sum": phases,
                 "test_seconds_sum": round(sum(t.get("duration") or 0 for t in tests), 1),
                 "syncs": len(syncs),
                 "sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs],
@@ -465,5 +495,10 @@ class ReportPlugin:
             "tests": tests,
             "known_issues": self.known_issues(),
             "servers": self.servers(),
+            "plan": self.plan(),
             "timing": self.timing(),
         })
+
+    def plan(self) -> dict | None:
+        plan = getattr(self.state, "plan", None)
+        return plan.as_dict(getattr(self.state, "schedule", None)) if plan is not None else None

@@ -105,6 +105,16 @@ def _text(flag: str, v: str) -> str:
     return v
 
 
+def _host_spec(flag: str, v: str) -> str:
+    from .plan import Host
+
+    try:
+        Host.parse(v, Host(gpus=0, cores=1, gpu_memory_gib=0.0, ram_gib=1.0))
+    except ValueError as e:
+        raise SettingsError(f"{flag}: {e}") from None
+    return v
+
+
 # ----------------------------------------------------------------------------- the table
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +163,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("vllm_sync_timeout", "seconds one whole trainer sync may take", 600.0,
            _positive_float),
     Option("vllm_max_servers", "servers alive at once, those starting ahead included "
-           "(default: 3 on a CPU host, 8 with GPUs)", None, lambda f, v: _count(f, v, 1)),
+           "(default: what the host's memory holds, harness.plan.Host)", None,
+           lambda f, v: _count(f, v, 1)),
+    Option("vllm_max_starting", "servers started at once (default: one per two CPU "
+           "cores)", None, lambda f, v: _count(f, v, 1)),
     Option("vllm_attention_backend", "attention backend for GPU servers (default: "
            "FLEX_ATTENTION in float32, which FlashAttention 3 refuses)", None, _text),
     Option("vllm_api_key", "API key of the servers: started with it (as VLLM_API_KEY) and "
@@ -161,6 +174,12 @@ OPTIONS: tuple[Option, ...] = (
            "Bearer <key>'", None, _text, secret=True),
     Option("harness_report", "write the run's machine-readable JSON report to this path",
            None, _text),
+    Option("harness_plan", "print the server plan of the selected tests (servers, the "
+           "tests on each, starts, expected waves) and run nothing", False,
+           lambda f, v: _flag(f, v)),
+    Option("harness_plan_host", "plan for another host: name=value pairs among gpus, cores, "
+           "gpu_memory_gib, ram_gib (e.g. gpus=2,cores=32); unnamed values are this host's",
+           None, lambda f, v: _host_spec(f, v)),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),
@@ -193,23 +212,29 @@ class Settings:
     vllm_start_timeout: float = 600.0
     vllm_sync_timeout: float = 600.0
     vllm_max_servers: int | None = None
+    vllm_max_starting: int | None = None
     vllm_attention_backend: str | None = None
     vllm_api_key: str | None = dataclasses.field(default=None, repr=False)
     harness_report: str | None = None
+    harness_plan: bool = False
+    harness_plan_host: str | None = None
     harness_require_gpu: bool = False
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
 
     def gpus(self) -> int:
-        """GPUs the run may use: those visible, capped by --vllm-gpus. Probes lazily."""
-        present = layouts.gpu_count()
+        """GPUs the run may use: those visible (or, planning for another host, that
+        host's), capped by --vllm-gpus. Probes lazily."""
+        present = self.host().gpus
         return present if self.vllm_gpus is None else min(present, self.vllm_gpus)
 
-    def max_servers(self) -> int:
-        if self.vllm_max_servers is not None:
-            return self.vllm_max_servers
-        # CPU: the group under test, its disk-loaded twin, and the next group starting
-        return 8 if self.gpus() > 0 else 3
+    def host(self):
+        """The host the run is planned for (``harness.plan.Host``): this one, or the one
+        --harness-plan-host describes."""
+        from .plan import Host
+
+        here = Host.this()
+        return Host.parse(self.harness_plan_host, here) if self.harness_plan_host else here
 
     def as_dict(self) -> dict[str, Any]:
         """Every option's value; a secret one only as whether it is set."""

@@ -9,9 +9,12 @@ every ``sync()`` is then one command over a pipe: which weights, which deliberat
 corruption. Imports, the CUDA context and the group are paid for once.
 
 Every command is bounded by a timeout. On a timeout the child is asked to dump its
-stacks (SIGUSR1, faulthandler) into its log and is killed; any failure kills it too
-(its group is in an unknown state), and the error carries the child's log tail and
-the server's. The next ``sync()`` starts a new child, which opens a new group.
+stacks (SIGUSR1, faulthandler) into its log and is killed. A failed sync leaves its
+group in an unknown state: an IPC or shm trainer closes that group and stays (the next
+``sync()`` opens a new group in the same process, without paying again for imports,
+the CUDA context and the weights); an NCCL trainer, whose group may be stuck in a
+collective, is killed, and the next ``sync()`` starts a new child. Either way the
+error carries the child's log tail and the server's.
 
 The child carries the run's owner tag (``harness.reaper``) and a scratch directory of
 its own (the shm backend's buckets), which the parent removes when the child is gone,
@@ -49,6 +52,10 @@ SHAPE_FAULTS = ("narrow",)
 LIES = ("names", "shapes", "dtypes", "count", "gpu")
 FAKE_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 API_KEY_ENV = "HARNESS_TRAINER_API_KEY"
+# Engines whose trainer survives a failed sync: it closes its group and opens a new one
+# with the next sync (see _child_main); an NCCL trainer is ended instead, and so is any
+# trainer whose options say {"recover_in_place": False}.
+RECOVERS_IN_PLACE = ("ipc", "shm")
 SCRATCH_ENV = "HARNESS_TRAINER_SCRATCH"
 
 
@@ -317,10 +324,25 @@ def _child_main(spec_json: str, result_fd: int) -> int:
             except BaseException as e:  # report everything, KeyboardInterrupt included
                 result["error"] = f"{type(e).__name__}: {e}"
                 result["traceback"] = traceback.format_exc()
+                # A sync that failed leaves its group in an unknown state. Where the
+                # group is only the trainer's own (IPC handles, shm buckets), closing it
+                # is enough: the next sync opens a new one in this same process, which
+                # keeps its imports, CUDA context and weights. An NCCL group may be
+                # wedged in a collective, and a failure outside a sync is not ours to
+                # judge: this trainer is done.
+                if (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
+                        and options.get("recover_in_place", True)
+                        and isinstance(e, Exception) and sender is not None):
+                    try:
+                        sender.close()
+                        sender, opened = None, False
+                        result["alive"] = True
+                    except Exception as close_error:
+                        result["error"] += f" (closing its group failed too: {close_error})"
             result["seconds"] = time.monotonic() - t0
             out.write(json.dumps(result, default=str) + "\n")
-            if not result["ok"]:
-                return 1  # the group's state is unknown: this trainer is done
+            if not result["ok"] and not result.get("alive"):
+                return 1
     finally:
         if sender is not None:
             sender.close()
@@ -448,7 +470,8 @@ class Trainer:
             raise
         result["trainer_log"] = str(self.log_path)
         if not result["ok"]:
-            self.kill()
+            if not result.get("alive"):
+                self.kill()
             raise TrainerError(f"trainer ({self._what()}) failed: {result['error']}\n"
                                f"{result.get('traceback', '')}\n{self.context()}")
         return result

@@ -134,6 +134,7 @@ def _twin_check(synced, harness, request):
                              "\n  " + "\n  ".join(report.greedy_divergence))
 
 
+@pytest.mark.twin
 @pytest.mark.models(*ARCHITECTURES)
 @pytest.mark.dtypes("bfloat16")
 def test_disk_loaded_twin_bit_identical_bf16(synced, harness, request):
@@ -142,6 +143,7 @@ def test_disk_loaded_twin_bit_identical_bf16(synced, harness, request):
     _twin_check(synced, harness, request)
 
 
+@pytest.mark.twin
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
 def test_disk_loaded_twin_bit_identical_fp32(synced, harness, request):

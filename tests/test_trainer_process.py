@@ -1,7 +1,8 @@
 """The persistent trainer's process protocol, against a stand-in for vLLM's four
 weight-sync routes (stdlib HTTP, recording what arrives): one process and one
-/init_weight_transfer_engine for many syncs; a failure ends the process and the next
-sync opens a new group; a hung sync is killed within its bound, naming it. The data
+/init_weight_transfer_engine for many syncs; a failure closes the group and the next
+sync opens a new one (in the same process for shm and IPC, in a new one where the
+trainer cannot recover in place); a hung sync is killed within its bound, naming it. The data
 plane is the real shm sender; what a real server does with it is tests/test_sync.py's.
 """
 
@@ -78,20 +79,41 @@ def test_one_process_and_one_init_for_many_syncs(routes, model, tmp_path):
     assert t.proc is None  # closed
 
 
-def test_a_failed_sync_ends_the_trainer_and_the_next_opens_a_new_group(routes, model, tmp_path):
+def test_a_failed_sync_closes_the_group_and_the_next_opens_a_new_one(routes, model, tmp_path):
+    """shm (as IPC): the trainer survives its failed sync and the next sync opens a new
+    group in the same process; an NCCL trainer would be ended (RECOVERS_IN_PLACE)."""
     t = Trainer(_spec(routes), log_dir=tmp_path)
     try:
         t.sync(model, timeout=120)
+        pid = t.pid
+        routes.fail.add("/update_weights")
+        with pytest.raises(TrainerError, match=r"/update_weights failed with HTTP 500"):
+            t.sync(model, timeout=60)
+        assert t.alive() and t.pid == pid
+        routes.fail.clear()
+        again = t.sync(model, timeout=120)
+        assert again["first"] and t.pid == pid
+    finally:
+        t.close()
+    assert routes.calls.count("/init_weight_transfer_engine") == 2
+
+
+def test_a_trainer_that_cannot_recover_in_place_is_ended(routes, model, tmp_path):
+    """The other path of a failed sync: a trainer of an engine that does not recover in
+    place (NCCL) is ended, and the next sync starts a new process."""
+    t = Trainer(_spec(routes, options={"recover_in_place": False}), log_dir=tmp_path)
+    try:
+        t.sync(model, timeout=120)
+        pid = t.pid
         routes.fail.add("/update_weights")
         with pytest.raises(TrainerError, match=r"/update_weights failed with HTTP 500"):
             t.sync(model, timeout=60)
         assert not t.alive()
         routes.fail.clear()
         again = t.sync(model, timeout=120)
-        assert again["first"]
+        assert again["first"] and t.pid != pid
     finally:
         t.close()
-    assert routes.calls.count("/init_weight_transfer_engine") == 2
 
 
 def test_a_hung_sync_is_killed_within_its_bound(routes, model, tmp_path):

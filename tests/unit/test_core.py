@@ -180,13 +180,13 @@ def _session(sync_error=None):
                                               version="x", describe_failure=lambda: "",
                                               exit_code=lambda: None, log_path=None)
     pool.discarded = []
-    pool.discard = lambda c: pool.discarded.append(c)
+    pool.discard = lambda c, why="": pool.discarded.append(c)
     trainer = _FakeTrainer(sync_error)
     pool.trainer = lambda c, spec: trainer
     s = SyncSession.__new__(SyncSession)
     s.case = Case(VARIANTS["shm"], layouts.LAYOUTS["cpu"], "float32", "llama")
     s.pool, s.server_cfg, s.model_path, s.server = pool, cfg, "/m", pool.servers[cfg]
-    s.sync_timeout, s.on_record, s.metrics = 5, None, {}
+    s.sync_timeout, s.on_record, s.metrics, s.user = 5, None, {}, "test_x"
 
     class Client:
         def pause(self, *a, **k):
@@ -264,7 +264,7 @@ def test_start_wall_time_counts_overlapping_starts_once():
     started = [{"start_seconds": 50, "started_at": 0, "ready_at": 50},
                {"start_seconds": 40, "started_at": 10, "ready_at": 50},   # side by side
                {"start_seconds": 30, "started_at": 100, "ready_at": 130}]  # later, alone
-    assert start_figures(started) == {"servers_started": 3, "start_seconds_sum": 120,
+    assert start_figures(started) == {"servers_started": 3, "restarts": 0, "start_seconds_sum": 120,
                                       "start_wall_seconds": 80}
 
 

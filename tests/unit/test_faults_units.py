@@ -302,6 +302,7 @@ def test_a_failed_sync_keeps_its_own_error_and_says_how_the_server_is(tmp_path):
     from harness.flow import SyncSession
 
     s = SyncSession.__new__(SyncSession)
+    s.on_record, s.user = None, "test_x"
     calls = []
 
     class Pool:

@@ -168,7 +168,7 @@ def test_only_the_selected_tests_servers_are_planned(project, monkeypatch):
     from harness.pool import ServerPool
 
     planned = []
-    monkeypatch.setattr(ServerPool, "plan", lambda self, cfgs: planned.extend(cfgs))
+    monkeypatch.setattr(ServerPool, "plan", lambda self, cfgs, warm=None: planned.extend(cfgs))
     monkeypatch.setattr(ServerPool, "stop_all", lambda self: None)
     project.makepyfile(test_use="def test_a(case, server_pool):\n    pass\n")
     r = project.runpytest("-q", "-p", "no:cacheprovider", "test_use.py", "-k", "bf16",

@@ -87,7 +87,7 @@ def test_report_document(inner_run, pytester):
     r, rep = inner_run("--vllm-model", "llama", "--vllm-dtype", "fp32")
     assert rep["schema"] == report.SCHEMA_VERSION
     assert set(rep) == {"schema", "header", "capabilities", "summary", "tests", "known_issues",
-                        "servers", "timing"}
+                        "servers", "plan", "timing"}
 
     h = rep["header"]
     assert h["vllm"] == report.vllm_distribution()
@@ -288,9 +288,15 @@ class Pool:
     servers = {{Cfg(): Srv()}}
     started = [{{"config": "fake config", "start_seconds": 1.5, "version": "9.9.9",
                  "log": "x.log"}}]
+    restarts = []
+    t0 = 0.0
 
     def start_figures(self):
-        return {{"servers_started": 1, "start_seconds_sum": 1.5, "start_wall_seconds": 1.5}}
+        return {{"servers_started": 1, "start_seconds_sum": 1.5, "start_wall_seconds": 1.5,
+                 "restarts": 0}}
+
+    def stop_all(self):
+        pass
 
 @pytest.fixture(autouse=True)
 def fake_pool(request):

@@ -1,0 +1,203 @@
+"""The server plan (harness.plan) and the pool that follows it: each configuration
+starts once, variants of one engine get a server each, the twin they share lives
+through both, and a restart is never planned; when one happens anyway the pool says
+why. The -k ipc plan for one GPU and the -k "nccl or ipc" plan for two are checked on
+this host, whatever it has (--harness-plan-host)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from harness import plan as P
+from harness.pool import ServerPool, State
+from harness.server import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=141, ram_gib=128)
+
+
+def _cfg(model="llama", dtype="float32", variant="ipc-packed", load="dummy"):
+    return ServerConfig(model=f"/zoo/{model}", backend="ipc", dtype=dtype, load_format=load,
+                        device_ids=(0,), variant=variant if load == "dummy" else "")
+
+
+# ----------------------------------------------------------------------------- the real selection
+
+def _plan_of(tmp_path, host: str, *args: str) -> dict:
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, HARNESS_REPORT_PROBES="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--harness-plan", "--harness-plan-host", host,
+                        "--harness-report", str(out), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "server plan for" in r.stdout and "passed" not in r.stdout, r.stdout[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["tests"] == [], "a plan runs nothing"
+    return rep["plan"]
+
+
+@pytest.mark.parametrize("host,selection", [
+    ("gpus=1,cores=16,ram_gib=128", "ipc"),
+    ("gpus=2,cores=32,ram_gib=256", "nccl or ipc"),
+], ids=["1gpu-k-ipc", "2gpu-k-nccl-or-ipc"])
+def test_the_gpu_selections_plan_no_restart(tmp_path, host, selection):
+    plan = _plan_of(tmp_path, host, "-k", selection)
+    assert plan["restarts"] == []
+    configs = [s["config"] for s in plan["servers"]]
+    assert len(configs) == len(set(configs)) == plan["starts"], "a configuration planned twice"
+    # every variant its own never-synced server; one twin for both variants
+    dummies = [c for c in configs if "load=dummy" in c]
+    assert sum("for=ipc-packed" in c for c in dummies) == sum("for=ipc-unpacked" in c
+                                                               for c in dummies) > 0
+    twins = [c for c in configs if "load=auto" in c]
+    assert twins and not any("for=" in c for c in twins)
+    if "nccl" in selection:
+        assert any("for=nccl-packed" in c for c in dummies)
+        assert any("for=nccl-unpacked" in c for c in dummies)
+    assert plan["host"]["gpus"] == int(host.split(",")[0].split("=")[1])
+    assert plan["expected"]["wall_seconds"] > 0 and sum(plan["expected"]["waves"]) == len(configs)
+
+
+# ----------------------------------------------------------------------------- the plan itself
+
+def test_fresh_tests_first_breaking_tests_last_variants_adjacent():
+    packed, unpacked, twin = _cfg(), _cfg(variant="ipc-unpacked"), _cfg(load="auto")
+    needs = [P.Need("t_break", packed, breaks=True), P.Need("t_plain_u", unpacked),
+             P.Need("t_twin", packed, twin), P.Need("t_fresh_u", unpacked, fresh=True),
+             P.Need("t_fresh", packed, fresh=True)]
+    ordered = sorted(needs, key=P.order_key)
+    assert [n.test for n in ordered] == ["t_fresh", "t_twin", "t_break", "t_fresh_u",
+                                         "t_plain_u"]
+    plan = P.make_plan(ordered, HOST)
+    assert plan.restarts == [] and plan.starts() == 3
+    assert [p.config for p in plan.servers] == [packed, twin, unpacked]
+    assert plan.last_use() == {"t_break": [packed], "t_twin": [twin], "t_plain_u": [unpacked]}
+
+
+def test_a_fresh_test_after_a_sync_is_a_planned_restart():
+    """What the plan guards against: run in the wrong order, the second variant's seed
+    flow would find synced weights (the restart the first GPU run paid for)."""
+    shared = _cfg(variant="")
+    needs = [P.Need("a_fresh", shared, fresh=True), P.Need("a_plain", shared),
+             P.Need("b_fresh", shared, fresh=True)]
+    plan = P.make_plan(needs, HOST)
+    assert len(plan.restarts) == 1 and plan.starts() == 2
+    assert "b_fresh needs never-synced weights after a_plain synced them" in plan.restarts[0][1]
+
+
+def test_a_second_breaking_test_is_a_contingent_restart():
+    cfg = _cfg()
+    plan = P.make_plan([P.Need("x", cfg, breaks=True), P.Need("y", cfg, breaks=True)], HOST)
+    assert plan.restarts == [] and len(plan.contingent) == 1
+    assert "x may break it; y runs on it later" in plan.contingent[0][1]
+
+
+def test_the_expected_waves_follow_the_bounds():
+    cfgs = [_cfg(model=f"m{i}") for i in range(5)]
+    needs = [P.Need(f"t{i}", c) for i, c in enumerate(cfgs)]
+    plan = P.make_plan(needs, HOST, max_starting=2, max_alive=3)
+    sched = P.simulate(plan, lambda n: 10.0 * n, lambda need: 1.0)
+    assert [len(w) for w in sched.waves][:1] == [2]
+    assert all(len(w) <= 2 for w in sched.waves) and sum(map(len, sched.waves)) == 5
+    # never more than 3 alive or starting: each start waits for a release
+    for k in range(5):
+        alive = sum(1 for j in range(5) if sched.start_at[j] <= sched.start_at[k]
+                    and plan.servers[j].last >= plan.servers[k].first - 1 and j <= k)
+        assert alive <= 3
+    assert sched.wall_seconds >= sched.ready_at[-1] + 1.0
+
+
+def test_host_bounds():
+    assert HOST.max_starting() == 8 and P.Host(0, 2, 0, 24).max_starting() == 1
+    gpu = [_cfg(model=f"m{i}") for i in range(40)]
+    assert HOST.max_alive(gpu) == int(141 * 5 / 6 // P.Host.GPU_SERVER_GIB)
+    cpu = [ServerConfig(model="/m")]
+    assert P.Host(0, 2, 0, 24).max_alive(cpu) == int(24 * 5 / 6 // P.Host.CPU_SERVER_GIB)
+    two = P.Host.parse("gpus=2,cores=32", P.Host(0, 2, 0.0, 24))
+    assert (two.gpus, two.cores, two.gpu_memory_gib, two.measured) == (2, 32, 141.0, False)
+    for bad in ("gpus", "gpus=x", "cores=0", "nonsense=1"):
+        with pytest.raises(ValueError):
+            P.Host.parse(bad, HOST)
+
+
+# ----------------------------------------------------------------------------- the pool follows it
+
+class _FakeServer:
+    def __init__(self, cfg, *, log_dir, start_timeout):
+        self.cfg, self.url, self.version, self.log_path = cfg, "http://127.0.0.1:9", "x", None
+        self.start_seconds = None
+
+    def start(self):
+        _FakeServer.gate.wait(10)
+        self.start_seconds = 0.0
+        return self
+
+    def alive(self):
+        return True
+
+    def stop(self):
+        pass
+
+    def describe_failure(self):
+        return ""
+
+
+@pytest.fixture
+def fake_pool(monkeypatch, tmp_path):
+    import harness.pool as pool_module
+
+    _FakeServer.gate = threading.Event()
+    _FakeServer.gate.set()
+    monkeypatch.setattr(pool_module, "VLLMServer", _FakeServer)
+    monkeypatch.setattr(pool_module.models, "ensure_built", lambda path: None)
+    pools = []
+
+    def make(**kw):
+        p = ServerPool(tmp_path, start_timeout=5, reap=False, **kw)
+        pools.append(p)
+        return p
+
+    yield make
+    for p in pools:
+        p.stop_all()
+
+
+def test_the_pool_starts_the_plan_in_order_within_its_bounds(fake_pool):
+    cfgs = [_cfg(model=f"m{i}") for i in range(4)]
+    _FakeServer.gate.clear()            # starts hang until released
+    pool = fake_pool(max_alive=3, max_starting=2)
+    pool.plan(cfgs)
+    assert list(pool._starting) == cfgs[:2]
+    _FakeServer.gate.set()
+    for c in cfgs[:3]:
+        pool.get(c, user="t")
+    assert len(pool.servers) == 3 and cfgs[3] not in pool.servers
+    pool.release(cfgs[0])
+    pool.get(cfgs[3])
+    assert sorted(r["config"] for r in pool.started) == sorted(c.describe() for c in cfgs)
+    assert pool.restarts == [] and pool.start_figures()["restarts"] == 0
+
+
+def test_every_restart_is_recorded_with_its_reason(fake_pool):
+    cfg, other = _cfg(), _cfg(model="unplanned")
+    pool = fake_pool(max_alive=2)
+    pool.plan([cfg])
+    pool.get(cfg, user="t1")
+    pool.set_holding(cfg, State.SYNCED, "/w")
+    pool.get(cfg, fresh=True, user="t2")   # a test that needs dummy weights after a sync
+    pool.discard(cfg, "after t3: a weight sync did not complete")
+    pool.get(cfg, user="t4")
+    pool.get(other, user="t5")
+    reasons = [r["reason"] for r in pool.restarts]
+    assert len(reasons) == 2 and pool.start_figures()["restarts"] == 2
+    assert "t2 needs never-synced weights, and the server held synced" in reasons[0]
+    assert reasons[1] == "after t3: a weight sync did not complete"
+    assert pool.started[-1]["unplanned"] == "not in the plan; started for t5"
