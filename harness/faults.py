@@ -120,8 +120,21 @@ def gpu_memory(pids: Iterable[int]) -> int | None:
         return None
 
 
-def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket these processes listen on."""
+@dataclasses.dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket and the process that holds it."""
+
+    address: str
+    port: int
+    pid: int
+    process: str    # the process's name (vLLM renames its engine core and workers)
+
+    def __str__(self) -> str:
+        return f"{self.address}:{self.port} (pid {self.pid}, {self.process})"
+
+
+def listeners(pids: Iterable[int]) -> list[Listener]:
+    """Every TCP socket these processes listen on, with the process holding it."""
     import psutil
 
     out = set()
@@ -129,12 +142,35 @@ def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
         try:
             conns = p.net_connections(kind="tcp") if hasattr(p, "net_connections") \
                 else p.connections(kind="tcp")
+            name = p.name()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         for c in conns:
             if c.status == psutil.CONN_LISTEN and c.laddr:
-                out.add((c.laddr.ip, c.laddr.port))
-    return sorted(out)
+                out.add(Listener(c.laddr.ip, c.laddr.port, p.pid, name))
+    return sorted(out, key=lambda x: (x.port, x.address, x.pid))
+
+
+def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on."""
+    return sorted({(x.address, x.port) for x in listeners(pids)})
+
+
+def answers_on(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str:
+    """What a TCP connection to ``host:port`` finds: whether it is accepted, and the
+    first bytes the listener sends unasked (most speak only when spoken to)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(1.0)
+            try:
+                first = sock.recv(64)
+            except socket.timeout:
+                return "accepted a connection and sent nothing unasked"
+            return f"accepted a connection and sent {first!r}"
+    except OSError as e:
+        return f"refused a connection ({type(e).__name__}: {e})"
 
 
 def is_loopback(address: str) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -66,9 +67,9 @@ class ZooModel:
                 "seed": self.seed, "tokenizer": dict(TOKENIZER_RECIPE)}
 
     def cache_key(self) -> str:
-        import tokenizers
-        import torch
-        import transformers
+        # Versions from the installed distributions' metadata: the same strings as the
+        # modules' __version__, without importing torch to plan a run.
+        from .facts import dist_version
 
         blob = json.dumps(
             {
@@ -76,9 +77,9 @@ class ZooModel:
                 "arch": self.architecture,
                 "config": self.config,
                 "seed": self.seed,
-                "torch": torch.__version__.split("+")[0],
-                "transformers": transformers.__version__,
-                "tokenizers": tokenizers.__version__,
+                "torch": (dist_version("torch") or "").split("+")[0],
+                "transformers": dist_version("transformers"),
+                "tokenizers": dist_version("tokenizers"),
             },
             sort_keys=True,
         )
@@ -237,11 +238,27 @@ def build_into(final: Path, build) -> Path:
     return final
 
 
+SIZED_NAME = re.compile(r"sized-(\d+)(mb|gb)")
+
+
+def sized_bytes(name: str) -> int | None:
+    """``sized-256mb`` -> 256e6 bytes (``sized-2gb`` -> 2e9): a weightless Llama of that
+    size (``sized_model_dir``), for the checks whose signal grows with the bytes of a
+    sync (memory) rather than with its values; None for any other name."""
+    m = SIZED_NAME.fullmatch(name)
+    if m is None or int(m.group(1)) == 0:
+        return None
+    return int(m.group(1)) * (10**6 if m.group(2) == "mb" else 10**9)
+
+
 def classify_model(name_or_path: str) -> tuple[str, str]:
     """What a user's model argument names, without building anything: ``("zoo", name)``,
-    ``("path", absolute directory)`` or ``("hub", id)``. Raises ValueError otherwise."""
+    ``("sized", name)``, ``("path", absolute directory)`` or ``("hub", id)``. Raises
+    ValueError otherwise."""
     if name_or_path in ZOO:
         return "zoo", name_or_path
+    if sized_bytes(name_or_path):
+        return "sized", name_or_path
     p = Path(name_or_path).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
@@ -259,6 +276,8 @@ def planned_path(name_or_path: str) -> str:
     """The directory (or hub id) a model argument will be served from, without building
     a zoo model: what a server plan is made of before anything is built."""
     kind, value = classify_model(name_or_path)
+    if kind == "sized":  # a config and a tokenizer: built now, in about a second
+        return str(sized_model_dir(sized_bytes(value), SIZED_DTYPE))
     return str(zoo_dir(value)) if kind == "zoo" else value
 
 
@@ -275,6 +294,8 @@ def resolve_model(name_or_path: str) -> tuple[str, Path | None]:
     kind, value = classify_model(name_or_path)
     if kind == "zoo":
         return value, model_dir(value)
+    if kind == "sized":
+        return value, sized_model_dir(sized_bytes(value), SIZED_DTYPE)
     if kind == "path":
         return Path(value).name, Path(value)
     return value, None
@@ -332,6 +353,9 @@ SIZED_ARCHITECTURE = "LlamaForCausalLM"
 _SIZED_HIDDEN = (4096, 3072, 2048, 1536, 1024, 768, 512, 256)
 _SIZED_VOCAB_MAX = 131072  # Llama 3's is 128256
 WEIGHTLESS_MARKER = "random"  # harness-model.json "weights": the trainer draws them
+# A sized model named on the command line or in a marker (``sized-256mb``) is shaped for
+# this many bytes of float32; in bfloat16 the same model is half as many bytes.
+SIZED_DTYPE = "float32"
 
 
 def _round_to(x: float, step: int) -> int:

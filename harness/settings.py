@@ -72,7 +72,7 @@ def _dtype(flag: str, v: str) -> str:
 
 def check_model(flag: str, v: str) -> str:
     """A zoo name, an existing local directory, or a hub id (``org/name``)."""
-    if v in models.ZOO:
+    if v in models.ZOO or models.sized_bytes(v):
         return v
     looks_like_path = v.startswith(("/", ".", "~")) or os.sep in v and Path(v).expanduser().exists()
     if looks_like_path:
@@ -87,7 +87,8 @@ def check_model(flag: str, v: str) -> str:
     if len(parts) == 2 and all(parts):
         return v  # a hub id: checked when it is downloaded
     raise SettingsError(f"{flag}: unknown model {v!r}: not a zoo model "
-                        f"({', '.join(models.ZOO)}), a local directory or a hub id (org/name)")
+                        f"({', '.join(models.ZOO)}), a sized model (sized-256mb), a local "
+                        "directory or a hub id (org/name)")
 
 
 def _url(flag: str, v: str) -> str:

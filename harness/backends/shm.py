@@ -109,6 +109,7 @@ class Sender:
     otherwise buckets of ``options['bucket_bytes']`` (default 16 MiB). Options:
     ``shm_root`` (default: a fresh directory on tmpfs, removed by ``close``),
     ``reprocess_tied`` (the opt-in workaround, sent in the init info),
+    ``retain_updates`` (a deliberately leaking server, for the memory check's self-test),
     ``bucket_delay_s`` (a pause after each acknowledged bucket, for fault tests)."""
 
     api_path = "harness shm sender over HTTP routes"
@@ -119,12 +120,15 @@ class Sender:
         self.root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
         self.bucket_bytes = None if packed else int(options.get("bucket_bytes") or 16 << 20)
         self.reprocess_tied = bool(options.get("reprocess_tied"))
+        self.retain_updates = bool(options.get("retain_updates"))
         self.bucket_delay_s = float(options.get("bucket_delay_s") or 0.0)
 
     def init(self) -> None:
         info: dict[str, Any] = {"root": str(self.root)}
         if self.reprocess_tied:  # workaround, opt-in and named: see shm_engine.py
             info["reprocess_tied"] = True
+        if self.retain_updates:  # a deliberate leak: the memory check's self-test
+            info["retain_updates"] = True
         self.client.init_weight_transfer_engine(info)
 
     def send(self, weights: list[tuple[str, Any]]):

@@ -29,6 +29,9 @@ class ShmWeightTransferInitInfo(WeightTransferInitInfo):
     """Opt-in workaround for known issue cpu-tied-lm-head-stale (docs/known-issues.md):
     after the reload, re-run weight post-processing on modules that share their weight
     (a tied lm_head). Off by default so that tests see vLLM's own behaviour."""
+    retain_updates: bool = False
+    """A deliberate leak, for the memory check's self-test: keep a copy of every tensor
+    received, on the model's device, until the engine is initialised again."""
 
 
 @dataclass
@@ -88,12 +91,14 @@ class ShmWeightTransferEngine(
         super().__init__(config, vllm_config, device, model)
         self.root: Path | None = None
         self.reprocess_tied = False
+        self.retained: list | None = None
 
     def init_transfer_engine(self, init_info: ShmWeightTransferInitInfo) -> None:
         if not init_info.root:
             raise ValueError("shm init_info needs 'root', the directory buckets are written to")
         self.root = Path(init_info.root).resolve()
         self.reprocess_tied = init_info.reprocess_tied
+        self.retained = [] if init_info.retain_updates else None
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -135,6 +140,8 @@ class ShmWeightTransferEngine(
                         f"shm: {name!r} announced as {dtype_name}{list(shape)} but the file "
                         f"holds {str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
                 weights.append((name, t.to(self.device)))
+        if self.retained is not None:
+            self.retained.append([t.clone() for _, t in weights])
         with _mtp_guard():
             self.model.load_weights(weights)
 
