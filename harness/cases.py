@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from . import facts, layouts
 from .backends import VARIANTS, BackendVariant
+from .facts import DEFAULT_MODE, DEFAULT_TRAINER
 from .server import ServerConfig
 
 # A fixed KV cache for GPU servers. Sized from the memory fraction, a tiny model's KV
@@ -43,27 +44,36 @@ class Case:
     layout: layouts.Layout
     dtype: str
     model: str
+    mode: str = DEFAULT_MODE
+    trainer: str = DEFAULT_TRAINER
 
     @property
     def id(self) -> str:
+        """``<backend>-<layout>-<dtype>-<model>``, then the mode and the trainer where
+        they are not the defaults (``-graphs``, ``-via-vllm``)."""
         return (f"{self.backend.id}-{self.layout.name}-{facts.short_dtype(self.dtype)}-"
-                f"{Path(self.model).name}")
+                f"{Path(self.model).name}"
+                + ("" if self.mode == DEFAULT_MODE else f"-{self.mode}")
+                + ("" if self.trainer == DEFAULT_TRAINER else f"-via-{self.trainer}"))
 
     @property
     def server_variant(self) -> str:
-        """What sets this case's server apart from its siblings' (same flags)."""
-        return self.backend.id
+        """What sets this case's server apart from its siblings' (same flags): each
+        backend variant and trainer has never-synced weights of its own."""
+        return self.backend.id + ("" if self.trainer == DEFAULT_TRAINER else f"+{self.trainer}")
 
     def as_dict(self) -> dict:
         return {"backend": self.backend.id, "engine": self.backend.engine,
                 "packed": self.backend.packed, "layout": self.layout.name, "dtype": self.dtype,
-                "model": self.model}
+                "model": self.model, "mode": self.mode, "trainer": self.trainer}
 
 
 def build_cases(backends: Iterable[str], layout_names: Iterable[str], dtypes: Iterable[str],
-                model_names: Iterable[str]) -> list[Case]:
+                model_names: Iterable[str], modes: Iterable[str] = (DEFAULT_MODE,),
+                trainers: Iterable[str] = (DEFAULT_TRAINER,)) -> list[Case]:
     """The matrix, in a stable order; combinations that cannot run are left out."""
     model_names, dtypes = list(model_names), [facts.canonical_dtype(d) for d in dtypes]
+    modes, trainers = list(modes), list(trainers)
     out = []
     for b in backends:
         variant = VARIANTS[b]
@@ -71,7 +81,8 @@ def build_cases(backends: Iterable[str], layout_names: Iterable[str], dtypes: It
             lay = layouts.LAYOUTS[ln]
             if not layouts.runs_on(variant, lay):
                 continue
-            out += [Case(variant, lay, d, m) for d in dtypes for m in model_names]
+            out += [Case(variant, lay, d, m, mode, trainer) for d in dtypes for m in model_names
+                    for mode in modes for trainer in trainers]
     return out
 
 
@@ -106,7 +117,7 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
               attention_backend=attn,
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
               kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,
-              variant=case.server_variant)
+              enforce_eager=case.mode == "eager", variant=case.server_variant)
     kw.update(overrides)
     return ServerConfig(**kw)
 

@@ -48,6 +48,22 @@ def server_version(url: str, timeout: float = 10.0) -> str | None:
         return None
 
 
+# ----------------------------------------------------------------------------- case names
+
+# How the server runs the model. eager: --enforce-eager, no CUDA graphs and no
+# torch.compile (each update is read by plain kernels); graphs: vLLM's default, CUDA
+# graphs and torch.compile, what rollout servers run: an update must land in the very
+# buffers the captured graphs read.
+MODES = {"eager": "--enforce-eager: no CUDA graphs, no torch.compile",
+         "graphs": "vLLM's default: CUDA graphs and torch.compile"}
+# Whose code pushes the weights. harness: the harness's senders over its own HTTP client
+# (errors with route, request and server log); vllm: what vLLM's rlhf_http examples
+# teach, vLLM's HTTPVLLMWeightSyncClient and a ModuleSource over the live model.
+TRAINERS = {"harness": "the harness's sender and HTTP client",
+            "vllm": "vLLM's HTTPVLLMWeightSyncClient and ModuleSource, as vLLM's examples"}
+DEFAULT_MODE, DEFAULT_TRAINER = "eager", "harness"
+
+
 # ----------------------------------------------------------------------------- dtypes
 
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}

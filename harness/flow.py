@@ -42,7 +42,7 @@ def trainer_spec(case: Case, url: str, options: dict | None = None) -> TrainerSp
     prepares ahead for a planned server and the one a sync asks for are the same."""
     lay = case.layout
     return TrainerSpec.make(url=url, engine=case.backend.engine, packed=case.backend.packed,
-                            dtype=case.dtype, device=lay.trainer_device,
+                            dtype=case.dtype, device=lay.trainer_device, code=case.trainer,
                             options=dict(options or {}, device=lay.trainer_device))
 
 

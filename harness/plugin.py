@@ -35,6 +35,9 @@ MARKERS = (
     "dtypes(*names): dtypes this test runs on; --vllm-dtype narrows them",
     "backends(*ids): backend variants this test runs on; --vllm-backend narrows them",
     "layouts(*names): layouts this test runs on; --vllm-layout narrows them",
+    "modes(*names): serving modes (eager, graphs) this test runs on; --vllm-mode narrows them",
+    "trainers(*names): trainer code (harness, vllm) this test runs with; --vllm-trainer "
+    "narrows them",
     "fresh_server: the test needs a server that has never been synced (dummy weights)",
     "twin: the test also needs a second server that loads the model from disk",
     "parity: compares vLLM with the Hugging Face reference after a sync",
@@ -138,13 +141,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     backends = [b for b in s.vllm_backend if not pinned_backends or b in pinned_backends]
     layouts = _settings.narrow(_marker_args(d, "layouts"), s.vllm_layout,
                                "vllm_layout" in s.explicit)
-    cases = build_cases(backends, layouts, dtypes, models)
+    modes = _settings.narrow(_marker_args(d, "modes"), s.vllm_mode, "vllm_mode" in s.explicit)
+    trainers = _settings.narrow(_marker_args(d, "trainers"), s.vllm_trainer,
+                                "vllm_trainer" in s.explicit)
+    cases = build_cases(backends, layouts, dtypes, models, modes, trainers)
     if not cases:
         why = []
         for name, pinned, chosen in (("model", _marker_args(d, "models"), s.vllm_model),
                                      ("dtype", _marker_args(d, "dtypes"), s.vllm_dtype),
                                      ("backend", pinned_backends, s.vllm_backend),
-                                     ("layout", _marker_args(d, "layouts"), s.vllm_layout)):
+                                     ("layout", _marker_args(d, "layouts"), s.vllm_layout),
+                                     ("mode", _marker_args(d, "modes"), s.vllm_mode),
+                                     ("trainer", _marker_args(d, "trainers"), s.vllm_trainer)):
             if pinned:
                 why.append(f"{name}s {', '.join(pinned)}")
         reason = (f"pinned to {'; '.join(why)}, none of them selected" if why

@@ -155,6 +155,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("vllm_layout", "layout(s): " + ", ".join(layouts.LAYOUTS) + " (default: all but "
            "the opt-in " + ", ".join(sorted(set(layouts.LAYOUTS) - set(layouts.DEFAULT_LAYOUTS)))
            + ")", list(layouts.DEFAULT_LAYOUTS), _choice(layouts.LAYOUTS, "layout"), True),
+    Option("vllm_mode", "serving mode(s): " + ", ".join(
+        f"{k} ({v})" for k, v in facts.MODES.items()), [facts.DEFAULT_MODE],
+           _choice(facts.MODES, "serving mode"), True),
+    Option("vllm_trainer", "trainer code(s): " + ", ".join(
+        f"{k} ({v})" for k, v in facts.TRAINERS.items()), [facts.DEFAULT_TRAINER],
+           _choice(facts.TRAINERS, "trainer"), True),
     Option("vllm_gpus", "use at most this many GPUs (default: all visible)", None,
            lambda f, v: _count(f, v, 0)),
     Option("vllm_log_dir", "directory for per-server and per-trainer logs",
@@ -208,6 +214,8 @@ class Settings:
     vllm_dtype: tuple[str, ...] = ("float32",)
     vllm_backend: tuple[str, ...] = tuple(VARIANTS)
     vllm_layout: tuple[str, ...] = tuple(layouts.DEFAULT_LAYOUTS)
+    vllm_mode: tuple[str, ...] = (facts.DEFAULT_MODE,)
+    vllm_trainer: tuple[str, ...] = (facts.DEFAULT_TRAINER,)
     vllm_gpus: int | None = None
     vllm_log_dir: str = ".harness-cache/logs"
     vllm_start_timeout: float = 600.0

@@ -73,6 +73,7 @@ class TrainerSpec:
     packed: bool
     dtype: str = "float32"
     device: str = "cpu"
+    code: str = "harness"            # whose trainer code: harness | vllm (cases.TRAINERS)
     timeout: float = 300.0           # per HTTP call
     options: tuple[tuple[str, Any], ...] = ()  # the sender's options (hashable)
 
