@@ -151,6 +151,25 @@ def listeners(pids: Iterable[int]) -> list[Listener]:
     return sorted(out, key=lambda x: (x.port, x.address, x.pid))
 
 
+def host_load() -> dict:
+    """What the host is doing right now: the 1-minute load average against the cores,
+    and the memory used on each GPU (MiB; [] without nvidia-smi). The pool samples it
+    while servers start, so a report says whether starts waited on CPU or on memory."""
+    import os
+
+    out: dict[str, Any] = {"load1": round(os.getloadavg()[0], 2),
+                           "cores": len(os.sched_getaffinity(0)), "gpu_used_mib": []}
+    if shutil.which("nvidia-smi"):
+        try:
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                   "--format=csv,noheader,nounits"], capture_output=True,
+                                  text=True, timeout=10).stdout
+            out["gpu_used_mib"] = [int(float(x)) for x in used.split()]
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    return out
+
+
 def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket these processes listen on."""
     return sorted({(x.address, x.port) for x in listeners(pids)})

@@ -39,9 +39,12 @@ import threading
 import time
 from pathlib import Path
 
-from . import models, reaper
+from . import faults, models, reaper
 from .server import ServerConfig, ServerError, VLLMServer
 from .trainer import Trainer, TrainerError, TrainerSpec
+
+
+SAMPLE_EVERY_S = 5.0
 
 
 class ServerUnavailable(RuntimeError):
@@ -92,6 +95,8 @@ class ServerPool:
         self._stopped_why: dict[ServerConfig, str] = {}
         self._closed = False
         self._planned: set[ServerConfig] = set()
+        self._sampler: threading.Thread | None = None
+        self.samples: list[dict] = []         # host load and GPU memory over the run
         self._unplanned: dict[ServerConfig, str] = {}
         self._lock = threading.RLock()
         self._executor = cf.ThreadPoolExecutor(max_workers=self.max_starting,
@@ -112,7 +117,22 @@ class ServerPool:
             self._plan = list(dict.fromkeys(configs))
             self._planned = set(self._plan)
             self._warm = dict(warm or {})
+        if self._plan and self._sampler is None:
+            self._sampler = threading.Thread(target=self._sample, name="host-sampler",
+                                             daemon=True)
+            self._sampler.start()
         self._start_ahead()
+
+    def _sample(self, every: float = SAMPLE_EVERY_S) -> None:
+        """The host's load and GPU memory every few seconds, until the pool stops."""
+        while not self._closed:
+            with self._lock:
+                starting = len(self._booting)
+                alive = len(self.servers)
+            self.samples.append({"at": round(time.monotonic() - self.t0, 1),
+                                 "starting": starting, "alive": alive,
+                                 **faults.host_load()})
+            time.sleep(every)
 
     def release(self, cfg: ServerConfig) -> None:
         """No later test needs ``cfg``: stop its server, start the next planned one."""

@@ -477,6 +477,8 @@ class ReportPlugin:
                 "pool_made_at": (round(pool.t0 - self.state.t0, 1) if pool is not None
                                  else None),
                 "phase_seconds_sum": phases,
+                # the host's 1-minute load and GPU memory every few seconds
+                "host_samples": list(pool.samples) if pool is not None else [],
                 "test_seconds_sum": round(sum(t.get("duration") or 0 for t in tests), 1),
                 "syncs": len(syncs),
                 "sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs],

@@ -289,6 +289,7 @@ class Pool:
     started = [{{"config": "fake config", "start_seconds": 1.5, "version": "9.9.9",
                  "log": "x.log"}}]
     restarts = []
+    samples = []
     t0 = 0.0
 
     def start_figures(self):
