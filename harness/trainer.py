@@ -303,6 +303,8 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                         result["init_seconds"] = time.monotonic() - t1
                     peak = _CudaPeak(spec.device)
                     t1 = time.monotonic()
+                    if cmd.get("lie") and hasattr(sender, "repeat_metadata"):
+                        sender.repeat_metadata()  # elided metadata cannot lie (vLLM 0.33)
                     liar = switch.lie(cmd.get("lie"))
                     try:
                         result.update(sender.send(named).as_dict())
