@@ -234,7 +234,8 @@ def render(runs: list[tuple[str, dict]]) -> str:
     out += ["Known issues: appears in the release (yes), does not (no), not run (-)", ""]
     # Appearing in the oldest release run says nothing of the ones before it: "<=".
     rows = [[i["id"], i["affected"] or ""] + i["cells"]
-            + [("<=" if i["first_bad"] == releases[0] else "") + (i["first_bad"] or "never"),
+            + [("<=" if i["first_bad"] == releases[0] else "") + (i["first_bad"] or (
+                "never" if "no" in i["cells"] else "not run")),
                i["last_good"] or "-", i["clean_again"] or ""]
             for i in issue_rows(runs, tests_by_release)]
     out += _table(["known issue", "affected", *releases, "first bad", "last good",
