@@ -23,13 +23,19 @@
 #                        float32: parity per zoo architecture and the disk-loaded twin
 #                        (tests/test_parity.py, with repeated syncs, the prefix cache and
 #                        the corrupted-update self-tests), tests/test_sync.py,
-#                        tests/test_pause_resume.py (every /pause mode offered),
-#                        tests/test_faults.py (the fault routes; the 50-sync memory test and
-#                        the second-init test left out), tests/test_known_issues.py and
-#                        tests/test_checksums.py. About 10 servers a release. Left out:
-#                        bfloat16 (a second server per architecture), cpu-tp2 (two more,
-#                        slower: add --vllm-layout cpu-tp2 and tests/test_tensor_parallel.py),
-#                        the whole-session fault tests, the pause self-tests, tests/unit
+#                        tests/test_pause_resume.py (every /pause mode offered: requests
+#                        sent while paused, state, bad parameters, an update while requests
+#                        are held, the abort finish reason), tests/test_faults.py (the fault
+#                        routes), tests/test_known_issues.py and tests/test_checksums.py.
+#                        About 9 servers a release. Left out, for time (a release must fit
+#                        in about 10 minutes on a 2-core host): bfloat16 (a second server
+#                        per architecture), smollm2 (the slowest start; its bug is
+#                        llama-tied's and gpt2's), cpu-tp2 (two more, slower: add
+#                        --vllm-layout cpu-tp2 and tests/test_tensor_parallel.py), the
+#                        in-flight pause classification and the concurrent pause cycles
+#                        (long generations), the 50-sync memory test, the second-init
+#                        test, the whole-session fault tests, the pause self-tests,
+#                        tests/unit
 #   MATRIX_PYTEST_EXTRA  appended, e.g. '--vllm-max-servers 1'
 #   MATRIX_ROOT          where the environments go (default .harness-cache/matrix)
 #   MATRIX_REPORTS       where the reports go (default reports/matrix)
@@ -53,7 +59,7 @@ MATRIX_ROOT=${MATRIX_ROOT:-$ROOT/.harness-cache/matrix}
 REPORTS=${MATRIX_REPORTS:-reports/matrix}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-DEFAULT_ARGS='tests/test_parity.py tests/test_sync.py tests/test_pause_resume.py tests/test_faults.py tests/test_known_issues.py tests/test_checksums.py -m "not bench" -k "not second_init and not grow_memory" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32'
+DEFAULT_ARGS='tests/test_parity.py tests/test_sync.py tests/test_pause_resume.py tests/test_faults.py tests/test_known_issues.py tests/test_checksums.py -m "not bench" -k "not second_init and not grow_memory and not inflight_requests and not concurrent_streams and not smollm2" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32'
 PYTEST_ARGS="${MATRIX_PYTEST_ARGS:-$DEFAULT_ARGS}${MATRIX_PYTEST_EXTRA:+ $MATRIX_PYTEST_EXTRA}"
 LOG_DIR=$MATRIX_ROOT/logs
 mkdir -p "$REPORTS" "$LOG_DIR"
