@@ -35,8 +35,9 @@ pytestmark = pytest.mark.parity
 # A dense model, a tied one whose parity CPU vLLM loses (known issue
 # cpu-tied-lm-head-stale-after-reload-opt: the stale copy is no parameter, so the
 # digests cannot see it), and the MoE whose expert tensors CPU vLLM keeps unpacked
-# (cpu-moe-reload-unpacked-experts). The twin is started on demand (no ``twin``
-# marker): where the route is missing the test skips before any twin starts.
+# (cpu-moe-reload-unpacked-experts). The ``twin`` marker makes the pool keep the synced
+# server and its twin alive together: the test reads both, then the synced one again
+# (without it the pool stopped the synced server to start the twin on demand).
 TWIN_MODELS = ("llama", "opt", "qwen3-moe")
 EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 # A tensor the checksums see on every layout (not a linear layer: CPU vLLM empties
@@ -82,9 +83,9 @@ def record_coverage(harness, digests: dict[str, str]) -> None:
 
 def assert_twin_digests(harness) -> dict[str, str]:
     harness.ensure_holds()
-    got = harness.client.weight_checksums()
     _, twin = harness.twin(harness.model_path)
     want = twin.weight_checksums()
+    got = harness.client.weight_checksums()
     record_coverage(harness, got)
     checksums.assert_match(got, want, what=f"{where(harness)}: synced server vs its "
                            "disk-loaded twin", context=harness.server.describe_failure(20))
@@ -107,6 +108,7 @@ def corrupted_digests(harness, corrupt: str, target: str | None = None):
 
 # ----------------------------------------------------------------------------- the oracle
 
+@pytest.mark.twin
 @pytest.mark.models(*TWIN_MODELS)
 @pytest.mark.dtypes("float32")
 def test_every_digest_matches_the_disk_loaded_twin(synced, harness):
@@ -114,6 +116,7 @@ def test_every_digest_matches_the_disk_loaded_twin(synced, harness):
     assert_twin_digests(harness)
 
 
+@pytest.mark.twin
 @pytest.mark.layouts("cpu-tp2")
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
