@@ -198,6 +198,8 @@ for v in "${RELEASES[@]}"; do
   if [[ $rc == 4 || $rc == 5 || ! -s $report ]]; then
     log "vllm $v: the suite did not run (exit $rc: usage error or no tests)"
     rc_all=2
+  else
+    sed -i "s|$ROOT/|./|g" "$report"  # paths under the checkout written ./, as in reports/
   fi
 done
 
