@@ -12,6 +12,8 @@ COMMANDS = {
                                "the raw limit of their data path"),
     "demo": ("harness.demo", "the seed flow, narrated and asserted, against a real server"),
     "diff": ("harness.diff", "compare two JSON reports; non-zero exit when something regressed"),
+    "matrix": ("harness.matrix", "one table of vLLM release x check from one report per release, "
+                                 "with the first release of every known issue"),
     "repro": ("harness.repro", "run one scenario step by step; --emit writes a standalone script"),
 }
 

@@ -210,6 +210,35 @@ class ServerClient:
         body = {} if weight_version is None else {"weight_version": weight_version}
         self._call("POST", "/finish_weight_update", json_body=body)
 
+    # ------------------------------------------------------------------ what the server holds
+    def weight_info(self) -> str | None:
+        """``GET /weight_info``: the weight version the server says it serves (set by
+        ``/finish_weight_update``'s ``weight_version`` or ``/update_weight_version``)."""
+        return self._call("GET", "/weight_info").get("weight_version")
+
+    def weight_checksums(self, timeout: float | None = None) -> dict[str, str]:
+        """``POST /weight_checker {"action": "checksum"}`` (vLLM 0.32+): one digest per
+        weight tensor of every worker, keyed ``dp{i}:pp{j}:pcp{k}:tp{r}:<name>``."""
+        out = self._call("POST", "/weight_checker", json_body={"action": "checksum"},
+                         timeout=timeout)
+        if not isinstance(out, dict) or not isinstance(out.get("checksums"), dict):
+            raise ControlPlaneError("/weight_checker", {"action": "checksum"},
+                                    f"no 'checksums' object in the answer: {str(out)[:300]}",
+                                    context=self.context())
+        return out["checksums"]
+
+    def weight_checker_compare(self, baseline: dict[str, str],
+                               timeout: float | None = None) -> dict[str, Any]:
+        """``POST /weight_checker {"action": "compare", "baseline": ...}``: the server's
+        own comparison, ``{"match": bool, "mismatches": [key, ...]}``."""
+        return self._call("POST", "/weight_checker",
+                          json_body={"action": "compare", "baseline": baseline}, timeout=timeout)
+
+    def reset_weights(self, timeout: float | None = None) -> None:
+        """``POST /weight_checker {"action": "reset"}``: every weight tensor of every
+        worker set to zero (``weight_checksum.zero_weights``)."""
+        self._call("POST", "/weight_checker", json_body={"action": "reset"}, timeout=timeout)
+
     # ------------------------------------------------------------------ generation
     def complete(self, prompt: str | list[int], *, max_tokens: int = 16, timeout: float | None = None,
                  logprobs: int | None = None, **extra: Any) -> Completion:

@@ -9,8 +9,9 @@ of the session it writes one JSON document:
                   working directory, start time, wall time, exit status
 ``capabilities``  what the vLLM under test offers: HTTP routes (from the first server's
                   /openapi.json), /pause modes and parameters, the trainer-side API
-                  generation (``harness.vllm_api.probe``) and which weight-transfer
-                  backends load here
+                  generation (``harness.vllm_api.probe``), which weight-transfer
+                  backends load here, and ``oracles``: logits, and vLLM's weight
+                  checksums where /weight_checker is offered
 ``summary``       counts per outcome, plus ``known`` (xfailed by a known issue),
                   ``new_failures`` and ``fixed_known_issues`` (node ids)
 ``tests``         per test: nodeid, outcome (passed / failed / error / skipped /
@@ -101,6 +102,18 @@ def openapi_capabilities(url: str, timeout: float = 15.0) -> dict:
     doc = requests.get(url.rstrip("/") + "/openapi.json", timeout=timeout).json()
     return {"routes": sorted(doc.get("paths") or {}), "pause": pause_capabilities(doc),
             "openapi_version": (doc.get("info") or {}).get("version")}
+
+
+def oracle_capabilities(routes: list[str] | None) -> dict | None:
+    """What can tell a sync right from wrong on this server: the logits always; vLLM's
+    own weight digests where it offers POST /weight_checker (0.32+; elsewhere the
+    checksum tests skip and parity rests on the logits); the served weight version
+    where it offers GET /weight_info."""
+    if routes is None:
+        return None
+    checksums = "/weight_checker" in routes
+    return {"logits": True, "checksums": checksums, "weight_version": "/weight_info" in routes,
+            "parity_from": "logits and weight checksums" if checksums else "logits only"}
 
 
 # ----------------------------------------------------------------------------- probes
@@ -438,6 +451,7 @@ class ReportPlugin:
         }
         if self.openapi is None:
             caps["routes_error"] = self.openapi_error or "no vLLM server was started or attached"
+        caps["oracles"] = oracle_capabilities(caps["routes"])
         caps["probe_seconds"] = round(time.monotonic() - t0, 3)
         return caps
 

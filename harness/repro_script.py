@@ -77,6 +77,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
+import functools
 import inspect
 import json
 import math
@@ -689,17 +690,26 @@ def trainer_api(engine: str) -> str:
 
 
 def weight_source(weights: list[tuple[str, Any]]):
-    """The exact list to send (possibly damaged) as a vLLM ``WeightSource``."""
+    """The exact list to send (possibly damaged) as a vLLM ``WeightSource``, of the shape
+    this vLLM's class asks for: up to 0.32 ``metadata()`` and ``__iter__``; from 0.33
+    ``metadata`` a ``functools.cached_property`` (the class refuses anything else) and
+    ``iter_full()``, which NCCL's and IPC's ``trainer_init`` require."""
     base = _wt("base")
 
-    class ListWeightSource(base.WeightSource):
-        def metadata(self):
-            return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights]
+    def meta(self):
+        return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights]
 
-        def __iter__(self):
-            return iter(list(weights))
+    def fresh(self):
+        return iter(list(weights))
 
-    return ListWeightSource()
+    body: dict[str, Any] = {"__iter__": fresh}
+    declared = inspect.getattr_static(base.WeightSource, "metadata", None)
+    if isinstance(declared, (property, functools.cached_property)) \
+            or callable(getattr(base.WeightSource, "iter_full", None)):
+        body.update(metadata=functools.cached_property(meta), iter_full=fresh)
+    else:
+        body["metadata"] = meta
+    return type("ListWeightSource", (base.WeightSource,), body)()
 
 
 def send_nccl(client: Client, weights: list[tuple[str, Any]], sc: dict[str, Any],

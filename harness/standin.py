@@ -83,7 +83,7 @@ class StandinServer:
 
     def __init__(self, *, misbehave: set[str] | frozenset[str] | tuple = (), step_s: float = 0.004,
                  modes: tuple[str, ...] = ("abort", "wait", "keep"), legacy_wait_flag: bool = False,
-                 model: str = "standin"):
+                 model: str = "standin", refuse_while_paused: bool = False):
         unknown = set(misbehave) - set(MISBEHAVIOURS)
         if unknown:
             raise ValueError(f"unknown misbehaviours {sorted(unknown)}; "
@@ -91,6 +91,8 @@ class StandinServer:
         self.misbehave = set(misbehave)
         self.step_s, self.modes, self.model = step_s, modes, model
         self.legacy_wait_flag = legacy_wait_flag
+        # vLLM 0.33: abort/wait refuse requests sent while paused (HTTP 503), keep queues
+        self.refuse_while_paused = refuse_while_paused
         self.seed = 0
         self.pause_mode: str | None = None   # None: running
         self.stuck = False                   # resume_never_releases
@@ -334,6 +336,11 @@ class _Handler(BaseHTTPRequestHandler):
                                        "param": "prompt"}})
             return
         s.user_agents.add(self.headers.get("User-Agent", ""))
+        if s.refuse_while_paused and s.pause_mode in ("abort", "wait"):
+            self._json(503, {"error": {"message": "Generation is paused. Please retry after it "
+                                                  "resumes.", "type": "ServiceUnavailableError",
+                                       "code": 503}})
+            return
         r = s.add([int(t) for t in prompt], int(body.get("max_tokens", 16)))
         r.return_token_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):

@@ -45,6 +45,10 @@ CORRUPTIONS = repro_script.CORRUPTIONS  # ("drop", "scale", "swap", "nothing", "
 # in CORRUPTIONS, which harness repro offers): narrow sends a 2-D weight one column short,
 # its update info agreeing.
 SHAPE_FAULTS = ("narrow",)
+# Damage the logits of the usual prompts do not see, for the checksum oracle's tests:
+# row adds 1.0 to the last row of the input embedding (a token id no zoo prompt uses;
+# on a tensor-parallel server that row lives on the last rank).
+UNSEEN_FAULTS = ("row",)
 # Metadata that disagrees with the tensors sent (the tensors themselves are right):
 # names (the first tensor announced under a name the model lacks), shapes (its first
 # dimension announced one larger), dtypes (announced as the other float dtype), count
@@ -89,6 +93,8 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
     """Return (weights, description). Deliberate damage for the self-tests (the
     emitted repro script's own function, so a repro damages exactly what a test did),
     plus the fault tests' ``narrow``; the input list and its tensors are left unchanged."""
+    if kind == "row":
+        return _bump_last_embedding_row(weights, target)
     if kind != "narrow":
         return repro_script.corrupt_weights(weights, kind, target)
     names = [n for n, _ in weights]
@@ -101,6 +107,19 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         raise ValueError(f"cannot narrow {pick} of shape {list(t.shape)}")
     return ([(n, t[:, :-1].contiguous() if n == pick else x) for n, x in weights],
             f"sent {pick} as {[t.shape[0], t.shape[1] - 1]} (the model's is {list(t.shape)})")
+
+
+def _bump_last_embedding_row(weights: list[tuple[str, Any]], target: str | None
+                             ) -> tuple[list[tuple[str, Any]], str]:
+    names = [n for n, _ in weights]
+    embeds = [n for n, t in weights if t.ndim == 2 and ("embed_tokens" in n or "wte" in n)]
+    pick = target or (embeds[0] if embeds else None)
+    if pick is None or pick not in names:
+        raise ValueError(f"corruption 'row': no input embedding among {names[:4]}...")
+    t = dict(weights)[pick].clone()
+    t[-1] += 1.0
+    return ([(n, t if n == pick else x) for n, x in weights],
+            f"added 1.0 to row {t.shape[0] - 1} of {pick} (the last token id)")
 
 
 # ----------------------------------------------------------------------------- lies
@@ -311,6 +330,8 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                         result["init_seconds"] = time.monotonic() - t1
                     peak = _CudaPeak(spec.device)
                     t1 = time.monotonic()
+                    if cmd.get("lie") and hasattr(sender, "repeat_metadata"):
+                        sender.repeat_metadata()  # elided metadata cannot lie (vLLM 0.33)
                     liar = switch.lie(cmd.get("lie"))
                     try:
                         result.update(sender.send(named).as_dict())

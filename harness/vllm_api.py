@@ -19,6 +19,18 @@ code supports. Three generations are known (checked against their sources):
   path.
 * 0.32: both NCCL (``NCCLTrainerInitInfo``) and IPC go through the factory;
   ``packed`` and the buffer geometry ride the init info, not the update info.
+* 0.33 (read from its source; no CPU build, not run here): ``WeightSource.metadata``
+  is a property that subclasses must define as a ``functools.cached_property``
+  (``WeightSource.__init_subclass__`` raises ``TypeError`` otherwise), iteration is
+  ``iter_full()`` / ``iter_local()`` instead of ``__iter__``, ``held_names`` /
+  ``groups`` became ``owned_names(rank)``; NCCL and IPC ``trainer_init`` raise when
+  the source does not implement ``iter_full``; ``TrainerWeightTransferEngine.__init__``
+  takes ``rank``. ``NCCLWeightTransferUpdateInfo``'s lists default to empty, meaning
+  "the metadata of the previous update" (worker ``_last_update_info``); the trainer
+  engine sends them empty when the metadata did not change (``_sent_meta``).
+  ``weight_source`` builds the source each generation expects; ``source_metadata`` /
+  ``iterate_source`` read one either way; ``forget_sent_metadata`` makes the next
+  NCCL update carry its metadata again (fault tests that lie about it need that).
 
 Importing this module imports neither vLLM nor torch: the pytest process uses it
 too, and must never load CUDA libraries. ``probe(isolated=True)`` and
@@ -167,6 +179,11 @@ def _probe_here() -> dict[str, Any]:
     for engine, cls in (("nccl", "NCCLWeightTransferUpdateInfo"),
                         ("ipc", "IPCWeightTransferUpdateInfo")):
         caps[f"{engine}_update_info_fields"] = _field_names(lookup(cls)) if caps[cls] else None
+    caps["nccl_update_info_elides_metadata"] = (
+        update_info_elides_metadata(lookup("NCCLWeightTransferUpdateInfo"))
+        if caps["NCCLWeightTransferUpdateInfo"] else None)
+    caps["weight_source_style"] = (source_style(lookup("WeightSource"))
+                                   if caps["WeightSource"] else None)
     caps["nccl_path"] = _path(caps, "nccl", "NCCLTrainerInitInfo",
                               static=("nccl_common.trainer_init",
                                       "NCCLWeightTransferEngine.trainer_send_weights"))
@@ -259,34 +276,87 @@ def backend_importable(engine: str, timeout: float = 120.0) -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------- adapters
 
+def source_style(weight_source_cls: type) -> str:
+    """``"iter_full"`` (0.33: ``metadata`` a property, iteration ``iter_full()``) or
+    ``"iter"`` (0.26-0.32: ``metadata()`` a method, iteration ``__iter__``), read from
+    vLLM's ``WeightSource`` class itself."""
+    static = inspect.getattr_static(weight_source_cls, "metadata", None)
+    if isinstance(static, (property, functools.cached_property)) \
+            or callable(getattr(weight_source_cls, "iter_full", None)):
+        return "iter_full"
+    return "iter"
+
+
 @functools.cache
-def _list_source_cls() -> type:
-    # Built on first use so that importing this module never imports vLLM.
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+def _list_source_cls(weight_source_cls: type, param_meta_cls: type) -> type:
+    """A fixed list of ``(name, tensor)`` as a subclass of this vLLM's ``WeightSource``.
 
-    class ListWeightSource(WeightSource):
-        """A fixed list of ``(name, tensor)`` as a vLLM ``WeightSource``.
+    The harness must send exactly the list it was given (possibly corrupted on
+    purpose), so this does not re-read a module the way ``ModuleSource`` does. The
+    metadata is derived from the same list, so the two channels agree."""
 
-        The harness must send exactly the list it was given (possibly corrupted on
-        purpose), so this does not re-read a module the way ``ModuleSource`` does.
-        ``metadata()`` is derived from the same list, so the two channels agree.
-        """
+    def meta(self):
+        return [param_meta_cls(n, t.dtype, tuple(t.shape)) for n, t in self._weights]
 
-        def __init__(self, weights):
-            self._weights = list(weights)
+    def fresh(self):
+        return iter(list(self._weights))  # a fresh pass every round
 
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._weights]
+    def init(self, weights):
+        self._weights = list(weights)
 
-        def __iter__(self):
-            return iter(list(self._weights))  # a fresh pass every round
-
-    return ListWeightSource
+    body: dict[str, Any] = {"__init__": init, "__iter__": fresh,
+                            "__doc__": _list_source_cls.__doc__}
+    if source_style(weight_source_cls) == "iter_full":
+        prop = functools.cached_property(meta)
+        body.update(metadata=prop, iter_full=fresh)
+    else:
+        body.update(metadata=meta)
+    return type("ListWeightSource", (weight_source_cls,), body)
 
 
 def weight_source(weights) -> Any:
-    """Wrap a list of ``(name, tensor)`` as a vLLM ``WeightSource`` (0.26+ base class)."""
-    return _list_source_cls()(weights)
+    """Wrap a list of ``(name, tensor)`` as a vLLM ``WeightSource`` of the installed
+    release's shape (``source_style``)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    return _list_source_cls(WeightSource, ParamMeta)(weights)
+
+
+def source_metadata(source: Any) -> list:
+    """A ``WeightSource``'s metadata: ``source.metadata`` (0.33) or ``source.metadata()``."""
+    meta = source.metadata
+    return list(meta() if callable(meta) else meta)
+
+
+def iterate_source(source: Any):
+    """One pass over a ``WeightSource``: ``iter_full()`` where the class implements it
+    (0.33), else ``iter(source)``."""
+    implements = getattr(source, "implements_iter_full", None)
+    if callable(implements) and implements():
+        return source.iter_full()
+    return iter(source)
+
+
+def forget_sent_metadata(engine: Any) -> bool:
+    """Make a vLLM 0.33 NCCL trainer engine send its update's names, dtypes and shapes
+    again on the next round (it elides them when they did not change: ``_sent_meta``).
+    True when the engine has that state; older engines always send them."""
+    if hasattr(engine, "_sent_meta"):
+        engine._sent_meta = None
+        return True
+    return False
+
+
+def update_info_elides_metadata(update_info_cls: Any) -> bool:
+    """Does this NCCL update-info dataclass accept empty names/dtypes/shapes (0.33:
+    "reuse the previous update's metadata")? Read from its fields' defaults."""
+    if not dataclasses.is_dataclass(update_info_cls):
+        return False
+    fields = {f.name: f for f in dataclasses.fields(update_info_cls)}
+    need = ("names", "dtype_names", "shapes")
+    return all(n in fields and (fields[n].default is not dataclasses.MISSING
+                                or fields[n].default_factory is not dataclasses.MISSING)
+               for n in need)
 
 
 def update_info_as_dict(info: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from harness import parity
+from harness.pause import admission
 from harness.pause import checks as pc
 from harness.pause.openapi import PauseAPI, PauseStyle, discover_pause_api
 
@@ -163,6 +164,11 @@ def test_inflight_requests_under_undocumented_modes(harness):
 def test_requests_sent_while_paused_wait_for_resume(harness, style_name):
     style = style_or_skip(harness, style_name)
     with_real_weights(harness)
+    if admission.while_paused(harness.server.version, style_name) == "refuse":  # vLLM 0.33+
+        obs = admission.check_request_refused_while_paused(
+            harness.client, short_prompt(harness), style=style, timeout=REQUEST_TIMEOUT)
+        harness.record(**{f"pause_{style_name}_refused_request": obs})
+        return
     obs = pc.check_request_waits_for_resume(harness.client, short_prompt(harness), style=style,
                                             hold_seconds=3.0, max_tokens=16,
                                             timeout=REQUEST_TIMEOUT)

@@ -197,6 +197,13 @@ class Sender:
     def close(self) -> None:
         self.group = self.engine = None
 
+    def repeat_metadata(self) -> None:
+        """The next update carries its names, dtypes and shapes even when unchanged:
+        vLLM 0.33's trainer engine elides them otherwise, and a lie about metadata
+        that is not sent tells nothing (``vllm_api.forget_sent_metadata``)."""
+        if self.engine is not None:
+            vllm_api.forget_sent_metadata(self.engine)
+
     def _via_factory(self, weights) -> str:
         """vLLM's stateful trainer engine: /update_weights beside its broadcast, on
         threads of its own."""

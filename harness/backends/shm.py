@@ -61,7 +61,8 @@ class ShmSendStats:
 
 def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
                  bucket_bytes: int | None = None, init: bool = True,
-                 reprocess_tied: bool = False, bucket_delay_s: float = 0.0) -> ShmSendStats:
+                 reprocess_tied: bool = False, bucket_delay_s: float = 0.0,
+                 weight_version: str | None = None) -> ShmSendStats:
     """Push ``weights`` through the HTTP control plane with files under ``root``.
 
     ``client`` has the four methods of vLLM's ``VLLMWeightSyncClient`` protocol.
@@ -69,7 +70,8 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
     splits the stream into files of at most that many bytes. Files are removed
     once the server has acknowledged them. ``bucket_delay_s``: wait that long after
     each acknowledged bucket but the last (fault tests stop a trainer mid-update,
-    with the update open on the server, at a moment they choose).
+    with the update open on the server, at a moment they choose). ``weight_version``
+    rides ``/finish_weight_update`` (vLLM publishes it on ``/weight_info``).
     """
     import time
 
@@ -100,7 +102,10 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
         stats.tensors += len(bucket)
         stats.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         stats.names += [n for n, _ in bucket]
-    client.finish_weight_update()
+    if weight_version is None:
+        client.finish_weight_update()
+    else:
+        client.finish_weight_update(weight_version)
     return stats
 
 
@@ -110,7 +115,8 @@ class Sender:
     ``shm_root`` (default: a fresh directory on tmpfs, removed by ``close``),
     ``reprocess_tied`` (the opt-in workaround, sent in the init info),
     ``retain_updates`` (a deliberately leaking server, for the memory check's self-test),
-    ``bucket_delay_s`` (a pause after each acknowledged bucket, for fault tests)."""
+    ``bucket_delay_s`` (a pause after each acknowledged bucket, for fault tests),
+    ``weight_version`` (sent with every ``/finish_weight_update``)."""
 
     api_path = "harness shm sender over HTTP routes"
 
@@ -122,6 +128,7 @@ class Sender:
         self.reprocess_tied = bool(options.get("reprocess_tied"))
         self.retain_updates = bool(options.get("retain_updates"))
         self.bucket_delay_s = float(options.get("bucket_delay_s") or 0.0)
+        self.weight_version = options.get("weight_version")
 
     def init(self) -> None:
         info: dict[str, Any] = {"root": str(self.root)}
@@ -136,7 +143,8 @@ class Sender:
 
         stats = send_weights(self.client, weights, root=self.root,
                              bucket_bytes=self.bucket_bytes, init=False,
-                             bucket_delay_s=self.bucket_delay_s)
+                             bucket_delay_s=self.bucket_delay_s,
+                             weight_version=self.weight_version)
         return SendResult(tensors=stats.tensors, bytes=stats.bytes, chunks=stats.buckets,
                           api_path=self.api_path, update_calls=stats.buckets,
                           http_calls=["/start_weight_update"]
