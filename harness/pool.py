@@ -201,7 +201,7 @@ class ServerPool:
         finally:
             with self._lock:
                 self._booting.pop(cfg, None)
-        record = {"config": cfg.describe(), "start_seconds": srv.start_seconds,
+        record = {"config": cfg.describe(), "mode": cfg.mode, "start_seconds": srv.start_seconds,
                   "version": srv.version, "log": str(srv.log_path),
                   "started_at": round(t0 - self.t0, 3),
                   "ready_at": round(time.monotonic() - self.t0, 3),
@@ -378,6 +378,20 @@ class ServerPool:
         """Server starts: how many, their sum, and the wall time during which at least
         one server was starting (less than the sum when they start side by side)."""
         return start_figures(self.started)
+
+
+def start_seconds_by_mode(started: list[dict]) -> dict[str, dict]:
+    """Per serving mode: servers started and their start seconds (mean, max), for
+    what each mode costs; starts side by side contend for the cores, so compare modes
+    within one run."""
+    out: dict[str, dict] = {}
+    for mode in sorted({s.get("mode", "eager") for s in started}):
+        secs = [s["start_seconds"] for s in started
+                if s.get("mode", "eager") == mode and s.get("start_seconds") is not None]
+        if secs:
+            out[mode] = {"servers": len(secs), "mean": round(sum(secs) / len(secs), 1),
+                         "max": round(max(secs), 1)}
+    return out
 
 
 def start_figures(started: list[dict]) -> dict:

@@ -27,7 +27,8 @@ of the session it writes one JSON document:
                   planned and contingent restarts, the host it was sized for, and the
                   expected waves and wall time
 ``timing``        starts and restarts (with reasons), start time summed and as wall
-                  time, test time, every sync, and the tests' phases summed
+                  time and per serving mode, test time, every sync, and the tests'
+                  phases summed
 
 ``harness diff A.json B.json`` compares two of these. JUnit XML (``--junitxml``) is
 untouched; ``case``, ``metrics`` and ``known_issue`` also land there as properties.
@@ -53,6 +54,7 @@ import pytest
 
 from .facts import dist_version, installed_vllm
 from .pause.openapi import pause_capabilities  # the pause checks' own parse
+from .pool import start_seconds_by_mode
 
 SCHEMA_VERSION = 3  # 2: per-test "syncs", top-level "timing"; 3: per-test "timing", "plan"
 PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
@@ -483,7 +485,9 @@ class ReportPlugin:
             for k, v in (t.get("timing") or {}).items():
                 phases[k] = round(phases.get(k, 0.0) + v, 1)
         plan = getattr(self.state, "plan", None)
+        by_mode = start_seconds_by_mode(pool.started) if pool is not None else {}
         return {**figures,
+                "start_seconds_by_mode": by_mode,
                 "servers_planned": len(plan.servers) if plan is not None else None,
                 "restart_reasons": list(pool.restarts) if pool is not None else [],
                 # seconds from the session's start (the plugin's configure) until the

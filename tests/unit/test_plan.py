@@ -55,13 +55,24 @@ def test_the_gpu_selections_plan_no_restart(tmp_path, host, selection):
     assert len(configs) == len(set(configs)) == plan["starts"], "a configuration planned twice"
     # every variant its own never-synced server; one twin for both variants
     dummies = [c for c in configs if "load=dummy" in c]
-    assert sum("for=ipc-packed" in c for c in dummies) == sum("for=ipc-unpacked" in c
-                                                               for c in dummies) > 0
+    # (the sleep and two-API-server tests pin one variant: what they check is the server's)
+    plain = [c for c in dummies if "sleep-mode" not in c and "api-servers=" not in c]
+    assert sum("for=ipc-packed" in c for c in plain) == sum("for=ipc-unpacked" in c
+                                                             for c in plain) > 0
     twins = [c for c in configs if "load=auto" in c]
     assert twins and not any("for=" in c for c in twins)
     if "nccl" in selection:
         assert any("for=nccl-packed" in c for c in dummies)
         assert any("for=nccl-unpacked" in c for c in dummies)
+    # rollout servers as RL teams run them: vLLM's default mode for every variant, with
+    # a disk-loaded twin in that mode; an fp8 server and its fp8 twin
+    variants = ("ipc-packed", "ipc-unpacked") + (("nccl-packed", "nccl-unpacked")
+                                                 if "nccl" in selection else ())
+    for v in variants:
+        assert any(f"for={v} mode=graphs" in c for c in dummies), v
+        assert any(f"for={v} quant=fp8" in c for c in dummies), v
+    assert any("mode=graphs" in c for c in twins) and any("quant=fp8" in c for c in twins)
+    assert any("sleep-mode" in c for c in dummies) and any("api-servers=2" in c for c in dummies)
     assert plan["host"]["gpus"] == int(host.split(",")[0].split("=")[1])
     assert plan["expected"]["wall_seconds"] > 0 and sum(plan["expected"]["waves"]) == len(configs)
 
