@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import urllib.parse
 import warnings
 from pathlib import Path
@@ -105,6 +106,45 @@ def _text(flag: str, v: str) -> str:
     return v
 
 
+def _nearest_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _writable_dir(d: Path) -> bool:
+    """Can a file be created in ``d``? Tried, not guessed: root passes os.access on
+    read-only file systems such as /proc."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".harness-probe-", dir=d)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def _report_path(flag: str, v: str) -> str:
+    """A file the report can be written to: not a directory, in an existing directory
+    this user can write. Checked before the run, not after it."""
+    p = Path(v).expanduser()
+    if not v.strip():
+        raise SettingsError(f"{flag}: empty path")
+    if p.is_dir():
+        raise SettingsError(f"{flag}: {v} is a directory; name the report file, "
+                            f"e.g. {p / 'report.json'}")
+    parent = p.absolute().parent
+    if not parent.exists():
+        raise SettingsError(f"{flag}: the directory {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise SettingsError(f"{flag}: {parent} is not a directory")
+    if not _writable_dir(parent):
+        raise SettingsError(f"{flag}: cannot create a file in {parent}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise SettingsError(f"{flag}: {v} exists and is not writable")
+    return v
+
+
 # ----------------------------------------------------------------------------- the table
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +199,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("vllm_api_key", "API key of the servers: started with it (as VLLM_API_KEY) and "
            "sent by every client of the harness, trainers included, as 'Authorization: "
            "Bearer <key>'", None, _text, secret=True),
-    Option("harness_report", "write the run's machine-readable JSON report to this path",
-           None, _text),
+    Option("harness_report", "write the run's machine-readable JSON report to this path "
+           "(its directory must exist)", None, _report_path),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),

@@ -175,3 +175,38 @@ def test_only_the_selected_tests_servers_are_planned(project, monkeypatch):
                           "--vllm-dtype", "fp32,bf16")
     assert r.ret == 0, r.stdout.str()
     assert [c.dtype for c in planned] == ["bfloat16"]
+
+
+# ----------------------------------------------------------------------------- paths
+
+REPORT_PATHS = [
+    ("/proc/nope/r.json", "--harness-report: the directory /proc/nope does not exist "
+                          "(create it first)"),
+    ("/proc/r.json", "--harness-report: cannot create a file in /proc"),
+    ("/etc/passwd/r.json", "--harness-report: /etc/passwd is not a directory"),
+]
+
+
+@pytest.mark.parametrize("path, message", REPORT_PATHS, ids=[p for p, _ in REPORT_PATHS])
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(project, path,
+                                                                        message):
+    r = project.runpytest("-q", "--harness-report", path)  # not --collect-only: nothing runs
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert r.stderr.str().strip() == f"ERROR: {message}"
+    assert "passed" not in r.stdout.str() and "Traceback" not in r.stdout.str()
+
+
+def test_a_directory_as_the_report_path_is_refused_and_left_untouched(project):
+    d = project.mkdir("out")
+    r = project.runpytest("-q", "--harness-report", str(d))
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"--harness-report: {d} is a directory; name the report file" in r.stderr.str()
+    assert sorted(p.name for p in project.path.iterdir() if p.name.startswith("out")) == ["out"]
+    assert list(d.iterdir()) == []
+
+
+def test_a_missing_report_directory_is_not_created(project):
+    r = project.runpytest("-q", "--harness-report", "new/r.json")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "the directory" in r.stderr.str() and "does not exist" in r.stderr.str()
+    assert not (project.path / "new").exists()
