@@ -40,3 +40,29 @@ def test_reaper_dry_run_lists_and_stops_nothing(reaper_calls, capsys):
     assert reaper_calls == ["find"]
     assert reaper.main([]) == 0
     assert reaper_calls == ["find", "find", "reap"]
+
+
+# ----------------------------------------------------------------------------- ci/gpu-run.sh
+
+def test_gpu_run_requires_the_gpu_cases_to_run(tmp_path):
+    """`ci/gpu-run.sh OUT -k ipc` on a host without GPUs ran only the unit tests named
+    *ipc* and passed: the script must fail a run whose GPU cases did not run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "argv"
+    # a python3 that records the pytest command line (and says the harness is installed)
+    (bin_dir / "python3").write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ]; then echo "$@" >> {seen}; fi\nexit 0\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(root / "ci" / "gpu-run.sh"), str(tmp_path / "out"),
+                        "-k", "ipc"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    argv = seen.read_text().split()
+    assert argv[:2] == ["-m", "pytest"] and "--harness-require-gpu" in argv, argv
+    assert argv[-2:] == ["-k", "ipc"]
