@@ -70,7 +70,7 @@ _SESSION = pytest.StashKey[SyncSession]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("weight-sync-harness")
     for opt in _settings.OPTIONS:
-        where = f"env {opt.env}; ini {opt.name}"
+        where = f"default {opt.default_text()}; env {opt.env}; ini {opt.name}".replace("%", "%%")
         if isinstance(opt.default, bool):
             group.addoption(opt.flag, action="store_true", default=None,
                             help=f"{opt.help} ({where})")

@@ -7,11 +7,15 @@ Collection only: no server starts here.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import facts, settings
 
 SAMPLE = """
+import re
+
 import pytest
 
 def test_plain(case):
@@ -210,3 +214,52 @@ def test_a_missing_report_directory_is_not_created(project):
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     assert "the directory" in r.stderr.str() and "does not exist" in r.stderr.str()
     assert not (project.path / "new").exists()
+
+
+# ----------------------------------------------------------------------------- help, name
+
+def test_pytest_help_shows_every_default(project):
+    r = project.runpytest("--help")
+    text = " ".join(r.stdout.str().split())
+    for opt in settings.OPTIONS:
+        assert f"default {' '.join(opt.default_text().split())}; env {opt.env}" in text, opt.flag
+    assert "default llama; env HARNESS_MODEL" in text
+    assert "default 600; env HARNESS_SYNC_TIMEOUT" in text
+
+
+def _with_entry_points_of_this_checkout(monkeypatch):
+    """The installed package's metadata may predate this checkout's pyproject.toml: make
+    pytest see the pytest11 entry points declared here."""
+    import importlib.metadata as md
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[2]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    eps = [md.EntryPoint(n, v, "pytest11")
+           for n, v in declared["entry-points"]["pytest11"].items()]
+
+    class Dist:
+        def __init__(self, real):
+            self._real = real
+            self.entry_points = [e for e in real.entry_points if e.group != "pytest11"] + eps
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    real = md.distributions
+    monkeypatch.setattr(md, "distributions", lambda **kw: [
+        Dist(d) if d.metadata["name"] == declared["name"] else d for d in real(**kw)])
+
+
+def test_the_plugin_is_disabled_by_the_name_pytest_prints(project, monkeypatch):
+    """`-p no:NAME` with the name under "plugins:" in pytest's header."""
+    _with_entry_points_of_this_checkout(monkeypatch)
+    r = project.runpytest("--collect-only", "--vllm-model", "opt")
+    assert r.ret == 0, r.stdout.str() + r.stderr.str()
+    shown = re.search(r"^plugins: (.*)$", r.stdout.str(), re.M).group(1).split(", ")
+    name = next(p for p in shown if p.startswith("weight-sync-harness")).rsplit("-", 1)[0]
+    assert name == "weight-sync-harness"
+    r = project.runpytest("--collect-only", "-p", f"no:{name}", "--vllm-model", "opt")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "unrecognized arguments: --vllm-model" in r.stderr.str()
