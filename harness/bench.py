@@ -792,10 +792,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=None,
                    help=f"model sizes in GB of weights, comma-separated; default {GPU_SIZES} "
                         f"on GPU layouts, {CPU_SIZES} on the CPU")
-    p.add_argument("--warm", type=int, default=5, help="warm syncs after the cold one (default 5)")
+    p.add_argument("--warm", type=int, default=None,
+                   help="warm syncs after the cold one (default 5)")
     p.add_argument("--out", type=Path, default=None,
                    help=f"where bench.json, bench.txt and bench.png go (default {DEFAULT_OUT})")
-    p.add_argument("--limit-reps", type=int, default=5,
+    p.add_argument("--limit-reps", type=int, default=None,
                    help="timed repetitions of each raw-limit measurement (default 5)")
     p.add_argument("--replot", type=Path, default=None, metavar="BENCH_JSON",
                    help="measure nothing: print the table of a bench file and draw its plot "
@@ -822,14 +823,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+# What only a measuring run uses: with --replot, giving one is a mistake.
+MEASURING = ("sizes", "warm", "limit_reps")
+
+
 def _run(args: argparse.Namespace) -> int:
     from .settings import SettingsError, resolve_command
 
+    uses = _uses()
+    given = [f"--{n.replace('_', '-')}" for n in [u.name for u in uses] + list(MEASURING)
+             if getattr(args, n, None) not in (None, [])]  # on the command line
     try:
-        for note in resolve_command(args, _uses()):
+        for note in resolve_command(args, uses):
             print(f"harness bench: {note}", file=sys.stderr)
     except SettingsError as e:
         raise BadInput(str(e)) from None
+    if args.replot is not None and given:
+        raise BadInput(f"--replot measures nothing, so {', '.join(given)} would be ignored "
+                       "(--out is the only option it takes)")
+    args.warm = 5 if args.warm is None else args.warm
+    args.limit_reps = 5 if args.limit_reps is None else args.limit_reps
     if args.replot is not None:
         try:
             doc = load_file(args.replot)

@@ -887,10 +887,18 @@ def _run_bench(args: argparse.Namespace) -> int:
 EXIT_CODES = "exit code: 0 no regression, 1 regression, 2 bad input (unreadable file, unlike hosts)"
 
 
-def _threshold(s: str) -> float:
-    v = float(s)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+def _fraction(flag: str, text: str, below_one: bool) -> float:
+    """A fraction given as text, checked here (one line, exit 2) rather than by argparse
+    (whose errors print the whole usage)."""
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if below_one and not 0 <= v < 1:
+        raise BadInput(f"{flag}: a fraction of the GB/s between 0 and 1 (0.2 = a 20% drop), "
+                       f"got {text!r}")
+    if not 0 <= v < float("inf"):
+        raise BadInput(f"{flag}: a relative change >= 0 (0.5 = 50%), got {text!r}")
     return v
 
 
@@ -898,7 +906,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EXIT_CODES
     p.add_argument("a", type=Path, help="the baseline report (--harness-report of run A)")
     p.add_argument("b", type=Path, help="the report to compare with it (run B)")
-    p.add_argument("--threshold-rel", type=_threshold, default=0.5,
+    p.add_argument("--threshold-rel", default="0.5", metavar="FRACTION",
                    help="relative change of a metric worth showing (default 0.5 = 50%%)")
     p.add_argument("--allow-missing", action="store_true",
                    help="a test missing from B, or a backend/layout that ran in A and not in "
@@ -906,14 +914,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unlike-hosts", action="store_true",
                    help="compare reports from unlike hosts (GPU count or kind, machine) "
                         "instead of refusing: only the backend/layout pairs both ran")
-    p.add_argument("--max-drop", type=_threshold, default=0.2,
-                   help="bench files: a throughput drop beyond this fraction, per backend and "
-                        "size, is a regression (default 0.2 = 20%%)")
+    p.add_argument("--max-drop", default="0.2", metavar="FRACTION",
+                   help="bench files: a throughput drop beyond this fraction (from 0 up to, "
+                        "not including, 1), per backend and size, is a regression (default "
+                        "0.2 = 20%%)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        args.threshold_rel = _fraction("--threshold-rel", args.threshold_rel, False)
+        args.max_drop = _fraction("--max-drop", args.max_drop, True)
         if BENCH_KIND in (file_kind(args.a), file_kind(args.b)):
             return _run_bench(args)
         a, b = load(args.a), load(args.b)

@@ -543,10 +543,32 @@ def verify_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.known_issues [VERSION]``: validate the file and list entries.
     ``python -m harness.known_issues verify REPORT.json ...``: see ``verify_main``."""
+    import argparse
+
+    from packaging.version import InvalidVersion, Version
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
-    version = argv[0] if argv else installed_vllm()[0]
+    prog = "python -m harness.known_issues"
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Validate the known-issues file and say which entries apply "
+        "to a vLLM version. `python -m harness.known_issues verify REPORT.json ...` checks "
+        "the versions the entries call checked against run reports (verify --help).")
+    ap.add_argument("version", nargs="?", metavar="VERSION",
+                    help="a vLLM version, e.g. 0.32.0 (default: the installed vLLM's)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, said on stderr)
+        return int(e.code or 0)
+    version = args.version or installed_vllm()[0]
+    if args.version is not None:
+        try:
+            Version(args.version)
+        except InvalidVersion:
+            print(f"{prog}: {args.version!r} is not a vLLM version (e.g. 0.32.0)",
+                  file=sys.stderr)
+            return 2
     for issue in load():
         where = "applies" if issue.applies_to_version(version) else "does not apply"
         print(f"{issue.id}: {where} to vLLM {version} (affected '{issue.affected}', "

@@ -131,6 +131,9 @@ class Scenario:
                         if args.corrupt is not None else None)
         if args.expect is not None:
             _one_of("--expect", args.expect, VERDICTS)
+        if self.corrupt is not None and args.expect == "parity":
+            raise UsageError(f"--corrupt {self.corrupt} damages the sync on purpose, so its "
+                             "verdict cannot be parity: --expect mismatch, or no --expect")
         if args.emit_only and args.emit is None:
             raise UsageError("--emit-only needs --emit PATH")
         if args.emit_only and args.vllm_url is not None:

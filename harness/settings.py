@@ -127,6 +127,35 @@ def _writable_dir(d: Path) -> bool:
     return True
 
 
+def _directory(flag: str, v: str) -> str:
+    """A directory that exists, or can be created, and can be written to."""
+    if not v.strip():
+        raise SettingsError(f"{flag}: empty path")
+    p = Path(v).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise SettingsError(f"{flag}: {v} exists and is not a directory")
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise SettingsError(f"{flag}: {base} is not a directory, so {v} cannot be created")
+    if not _writable_dir(base):
+        raise SettingsError(f"{flag}: cannot create files in {base}")
+    return v
+
+
+def _attention_backend(flag: str, v: str) -> str:
+    """A name the installed vLLM's ``--attention-backend`` accepts, read from its source
+    (importing vLLM to ask would cost seconds at every start). Without vLLM, or where
+    its names cannot be found, the value is taken as it is, with a warning."""
+    names, where = facts.attention_backend_names()
+    if names is None:
+        warnings.warn(f"{flag}: {v!r} not checked: {where}", UserWarning, stacklevel=2)
+        return v
+    if v.strip().lower() != "auto" and v.strip().upper() not in names:
+        raise SettingsError(f"{flag}: unknown attention backend {v!r}; the installed vLLM "
+                            f"knows: auto, {', '.join(names)}")
+    return v.strip()
+
+
 def _report_path(flag: str, v: str) -> str:
     """A file the report can be written to: not a directory, in an existing directory
     this user can write. Checked before the run, not after it."""
@@ -219,7 +248,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("vllm_gpus", "use at most this many GPUs", None, lambda f, v: _count(f, v, 0),
            shown_default="all visible", metavar="N"),
     Option("vllm_log_dir", "directory for per-server and per-trainer logs",
-           ".harness-cache/logs", _text, metavar="DIR", cli_alias="--log-dir"),
+           ".harness-cache/logs", _directory, metavar="DIR", cli_alias="--log-dir"),
     Option("vllm_start_timeout", "seconds a server may take to become healthy", 600.0,
            _positive_float, metavar="SECONDS", cli_alias="--start-timeout"),
     Option("vllm_sync_timeout", "seconds one whole trainer sync may take", 600.0,
@@ -228,7 +257,7 @@ OPTIONS: tuple[Option, ...] = (
            lambda f, v: _count(f, v, 1), shown_default="3 on a CPU host, 8 with GPUs",
            metavar="N", cli_alias="--max-servers"),
     Option("vllm_attention_backend", "attention backend for GPU servers, a name vLLM knows "
-           "(FlashAttention 3 refuses float32)", None, _text,
+           "(FlashAttention 3 refuses float32)", None, _attention_backend,
            shown_default="FLEX_ATTENTION for float32, else vLLM's choice", metavar="NAME"),
     Option("vllm_api_key", "API key of the servers: started with it (as VLLM_API_KEY) and "
            "sent by every client of the harness, trainers included, as 'Authorization: "

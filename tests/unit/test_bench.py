@@ -52,6 +52,11 @@ def test_plan_refuses_what_cannot_run_before_anything_starts():
     (["--vllm-max-servers", "0"], "--vllm-max-servers: must be at least 1, got '0'"),
     (["--vllm-sync-timeout", "-1"], "--vllm-sync-timeout: must be greater than 0"),
     (["--replot", "no-such.json"], "no such file"),
+    (["--replot", "F.json", "--sizes", "abc", "--vllm-backend", "nosuch"],
+     "--vllm-backend: unknown backend 'nosuch'"),
+    (["--replot", "F.json", "--sizes", "abc", "--vllm-backend", "shm"],
+     "--replot measures nothing, so --vllm-backend, --sizes would be ignored"),
+    (["--replot", "F.json", "--warm", "3"], "--replot measures nothing, so --warm would be"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(layouts, "gpu_count", lambda: 0)

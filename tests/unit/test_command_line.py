@@ -66,3 +66,25 @@ def test_gpu_run_requires_the_gpu_cases_to_run(tmp_path):
     argv = seen.read_text().split()
     assert argv[:2] == ["-m", "pytest"] and "--harness-require-gpu" in argv, argv
     assert argv[-2:] == ["-k", "ipc"]
+
+
+# ----------------------------------------------------------------------------- known_issues
+
+def test_known_issues_refuses_a_word_that_is_not_a_version(capsys):
+    from harness import known_issues
+
+    assert known_issues.main(["notaversion"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("python -m harness.known_issues: 'notaversion' is not a vLLM "
+                                 "version (e.g. 0.32.0)\n")
+
+
+def test_known_issues_help_helps(capsys):
+    from harness import known_issues
+
+    assert known_issues.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m harness.known_issues") and "verify" in out
+    assert "applies to vLLM --help" not in out
+    assert known_issues.main(["0.32.0"]) == 0
+    assert "applies to vLLM 0.32.0" in capsys.readouterr().out

@@ -62,6 +62,11 @@ BAD = [
     (["--vllm-sync-timeout", "-5"], "--vllm-sync-timeout: must be greater than 0, got '-5'"),
     (["--vllm-max-servers", "0"], "--vllm-max-servers: must be at least 1, got '0'"),
     (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
+    (["--vllm-log-dir", "/etc/passwd"],
+     "--vllm-log-dir: /etc/passwd exists and is not a directory"),
+    (["--vllm-log-dir", "/etc/passwd/logs"],
+     "--vllm-log-dir: /etc/passwd is not a directory, so /etc/passwd/logs cannot be created"),
+    (["--vllm-log-dir", "/proc/logs"], "--vllm-log-dir: cannot create files in /proc"),
     (["--vllm-backend", "ipc-packed", "--vllm-layout", "cpu"],
      "--vllm-backend ipc-packed cannot run on --vllm-layout cpu; ipc-packed runs on "
      "1gpu-colocated, 2gpu-ipc-gpu1"),
@@ -263,3 +268,54 @@ def test_the_plugin_is_disabled_by_the_name_pytest_prints(project, monkeypatch):
     r = project.runpytest("--collect-only", "-p", f"no:{name}", "--vllm-model", "opt")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     assert "unrecognized arguments: --vllm-model" in r.stderr.str()
+
+
+# ----------------------------------------------------------------------------- attention backend
+
+def test_an_attention_backend_the_installed_vllm_does_not_know_is_refused(project):
+    names, where = facts.attention_backend_names()
+    if names is None:
+        pytest.skip(where)
+    r = project.runpytest("--collect-only", "-q", "--vllm-attention-backend", "NO_SUCH_BACKEND")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str().strip()
+    assert err.startswith("ERROR: --vllm-attention-backend: unknown attention backend "
+                          "'NO_SUCH_BACKEND'; the installed vLLM knows: auto, ")
+    assert names[0] in err and len(err.splitlines()) == 1
+    for ok in (names[0], names[0].lower(), "auto"):  # vLLM's parse is case-insensitive
+        r = project.runpytest("--collect-only", "-q", "--vllm-attention-backend", ok)
+        assert r.ret == 0, (ok, r.stderr.str())
+
+
+def test_without_vllm_the_attention_backend_is_taken_as_given_and_said_so(project, monkeypatch):
+    monkeypatch.setattr(facts, "attention_backend_names",
+                        lambda: (None, "vLLM is not installed here"))
+    r = project.runpytest("--collect-only", "-q", "--vllm-attention-backend", "ANYTHING")
+    assert r.ret == 0
+    assert "--vllm-attention-backend: 'ANYTHING' not checked: vLLM is not installed here" \
+        in r.stdout.str()
+
+
+REGISTRY = '''from enum import Enum
+class AttentionBackendEnum(Enum):
+    """doc"""
+    FLASH_ATTN = "x.FlashAttentionBackend"
+    FLEX_ATTENTION = "x.FlexAttentionBackend"
+    def get_class(self):
+        pass
+'''
+
+
+def test_attention_backend_names_are_read_from_vllm_source_without_importing_it(
+        tmp_path, monkeypatch):
+    import sys
+
+    pkg = tmp_path / "vllm"
+    (pkg / "v1" / "attention" / "backends").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('importing vLLM is not allowed here')\n")
+    (pkg / "v1" / "attention" / "backends" / "registry.py").write_text(REGISTRY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    names, where = facts.attention_backend_names()
+    assert names == ("FLASH_ATTN", "FLEX_ATTENTION") and "registry.py" in where
+    assert "vllm" not in sys.modules

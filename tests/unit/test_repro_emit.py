@@ -88,6 +88,9 @@ BAD_INPUT = [
      "3gpu-tp2"),
     (["--corrupt", "zap"], "unknown --corrupt 'zap'; known: drop, scale, swap, nothing, nan"),
     (["--expect", "maybe"], "unknown --expect 'maybe'; known: parity, mismatch, error"),
+    (["--corrupt", "drop", "--expect", "parity"],
+     "--corrupt drop damages the sync on purpose, so its verdict cannot be parity: --expect "
+     "mismatch, or no --expect"),
     (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
     (["--emit-only"], "--emit-only needs --emit PATH"),
     (["--emit-only", "--emit", "x.py", "--vllm-url", "http://127.0.0.1:1"],
