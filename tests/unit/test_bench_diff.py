@@ -96,7 +96,7 @@ def test_cli_exit_codes_and_the_per_backend_change(tmp_path, capsys):
     assert "== nccl-unpacked: +0% GB/s over 1 size" in out
     assert "REGRESSED: 1" in out and "beyond the 20% threshold" in out
     assert "nccl  1   100     50      -50%" in out  # the raw limit moved too: the host's
-    assert max(len(ln) for ln in out.splitlines()) <= diff.WIDTH
+    assert max(len(ln) for ln in out.splitlines()) <= diff.output_width()
     assert diff.main([str(pa), str(pb), "--max-drop", "0.6"]) == 0
     assert "No regression." in capsys.readouterr().out
     assert diff.main([str(pa), str(pb), "--json"]) == 1
