@@ -197,13 +197,24 @@ def legacy_env_free(environ) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- commands
 
+def command_parser(**kw):
+    """An ``argparse.ArgumentParser`` that says a usage error in the harness's one
+    style, ``<prog>: <message>`` on one line of stderr, exit 2 (argparse prints the
+    whole usage, then ``<prog>: error: <message>``)."""
+    import argparse
+
+    class CommandParser(argparse.ArgumentParser):
+        def error(self, message):
+            self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    return CommandParser(**kw)
+
+
 def run_command(prog: str, doc: str, add_arguments: Callable, run: Callable,
                 argv: list[str] | None = None) -> int:
     """A subcommand's ``main``: parse, then run; argparse's own exit (2 for a usage
     error, 0 for --help) becomes the return value instead of a SystemExit."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog=prog, description=doc.strip().splitlines()[0])
+    p = command_parser(prog=prog, description=doc.strip().splitlines()[0])
     add_arguments(p)
     try:
         args = p.parse_args(argv)

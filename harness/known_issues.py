@@ -498,10 +498,11 @@ def load_report(path: str) -> dict:
 
 
 def verify_main(argv: list[str]) -> int:
-    import argparse
+    from .facts import command_parser
 
-    ap = argparse.ArgumentParser(
-        prog="python -m harness.known_issues verify",
+    prog = "python -m harness.known_issues verify"
+    ap = command_parser(
+        prog=prog,
         description="Check that every version each known-issue entry lists as 'checked' is "
                     "backed by a run: a report of that vLLM version, from a host the entry "
                     "applies to, in which the entry's tests came out known (or fixed). "
@@ -509,12 +510,15 @@ def verify_main(argv: list[str]) -> int:
     ap.add_argument("reports", nargs="+", metavar="REPORT.json")
     ap.add_argument("--file", help="known-issues file (default: the shipped one, or "
                                    f"${ENV_PATH})")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, said on stderr)
+        return int(e.code or 0)
     try:
         issues = load(Path(args.file) if args.file else None)
         reports = [(p, load_report(p)) for p in args.reports]
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     for name, r in reports:
         version, host = report_facts(r)
@@ -543,15 +547,15 @@ def verify_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.known_issues [VERSION]``: validate the file and list entries.
     ``python -m harness.known_issues verify REPORT.json ...``: see ``verify_main``."""
-    import argparse
-
     from packaging.version import InvalidVersion, Version
+
+    from .facts import command_parser
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
     prog = "python -m harness.known_issues"
-    ap = argparse.ArgumentParser(
+    ap = command_parser(
         prog=prog, description="Validate the known-issues file and say which entries apply "
         "to a vLLM version. `python -m harness.known_issues verify REPORT.json ...` checks "
         "the versions the entries call checked against run reports (verify --help).")

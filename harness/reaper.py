@@ -187,9 +187,9 @@ def remove_orphan_scratch() -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.reaper [--dry-run]``: list (and stop) orphans of dead runs."""
-    import argparse
+    from .facts import command_parser
 
-    p = argparse.ArgumentParser(
+    p = command_parser(
         prog="python -m harness.reaper",
         description="Stop what killed harness runs left behind: the processes of this user "
                     f"whose {OWNER_ENV} tag names a run that no longer exists, and their "

@@ -88,3 +88,52 @@ def test_known_issues_help_helps(capsys):
     assert "applies to vLLM --help" not in out
     assert known_issues.main(["0.32.0"]) == 0
     assert "applies to vLLM 0.32.0" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- one style
+
+def _harness(capsys, *argv) -> tuple[int, str, str]:
+    from harness import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_harness_version_prints_the_version(capsys):
+    from harness.facts import dist_version
+
+    code, out, err = _harness(capsys, "--version")
+    assert (code, err) == (0, "") and out == f"harness {dist_version('weight-sync-harness')}\n"
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "harness: name a command: bench, demo, diff, repro (see harness --help)"),
+    (["frob"], "harness: argument COMMAND: invalid choice: 'frob'"),
+    (["demo", "--nope"], "harness demo: unrecognized arguments: --nope (see harness demo --help)"),
+    (["repro", "--nope"], "harness repro: unrecognized arguments: --nope"),
+    (["bench", "--warm", "x"], "harness bench: argument --warm: invalid int value: 'x'"),
+    (["diff", "a.json"], "harness diff: the following arguments are required: b"),
+    (["demo", "--vllm-model", "nope"], "harness demo: --vllm-model: unknown model 'nope'"),
+    (["demo", "--max-tokens", "0"], "harness demo: --max-tokens: at least 1, got 0"),
+])
+def test_bad_input_is_one_line_in_one_style_and_exit_2(argv, says, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _harness(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(says) and err.count("\n") == 1, err
+    assert "error:" not in err and "usage:" not in err
+
+
+def test_the_small_commands_say_errors_in_the_same_style(capsys, tmp_path):
+    from harness import known_issues
+
+    assert known_issues.main(["verify", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m harness.known_issues verify: ") and err.count("\n") == 1
+    assert reaper.main(["--nope"]) == 2
+    assert capsys.readouterr().err == ("python -m harness.reaper: unrecognized arguments: "
+                                       "--nope (see python -m harness.reaper --help)\n")

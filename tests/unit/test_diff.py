@@ -254,10 +254,12 @@ def test_a_test_record_without_an_outcome_is_bad_input(tmp_path, capsys):
                                        "test record 1 has no 'nodeid' or 'outcome'\n")
 
 
-@pytest.mark.parametrize("argv", [["only-one.json"], ["a.json", "b.json", "--allow-everything"]])
-def test_usage_errors_exit_2(argv, capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["only-one.json"], "the following arguments are required: b"),
+    (["a.json", "b.json", "--allow-everything"], "unrecognized arguments: --allow-everything")])
+def test_usage_errors_exit_2(argv, says, capsys):
     assert diff.main(argv) == 2
-    assert "usage: harness diff" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"harness diff: {says} (see harness diff --help)\n"
 
 
 # ----------------------------------------------------------------------------- what ran
