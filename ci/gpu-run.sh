@@ -6,7 +6,9 @@
 #   bash ci/gpu-run.sh OUTDIR [pytest args...]
 #
 # Writes OUTDIR/report.json (the harness report), OUTDIR/junit.xml, OUTDIR/pytest.log
-# and OUTDIR/logs.tgz (every server's and trainer's log).
+# and OUTDIR/logs.tgz (every server's and trainer's log). The run implies
+# --harness-require-gpu: it fails when no GPU is visible, or when the GPU cases it
+# selected did not run.
 #
 # GPU_RUN_SECONDS=N: interrupt pytest after N seconds (Ctrl-C: servers are stopped and
 # the report is written), killing it 30 s later if it does not stop. Use it under a
@@ -26,8 +28,10 @@ fi
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv > "$out/gpus.csv" 2>&1 || true
 limit=()
 [ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=30 "$GPU_RUN_SECONDS")
-"${limit[@]}" python3 -m pytest --harness-report "$out/report.json" --junitxml "$out/junit.xml" \
-  --vllm-log-dir "$out/logs" "$@" 2>&1 | tee "$out/pytest.log"
+# --harness-require-gpu: a GPU run whose GPU cases did not run fails. Without it,
+# `-k ipc` on a runner that lost its GPUs ran only the unit tests named *ipc* and passed.
+"${limit[@]}" python3 -m pytest --harness-require-gpu --harness-report "$out/report.json" \
+  --junitxml "$out/junit.xml" --vllm-log-dir "$out/logs" "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 tar czf "$out/logs.tgz" -C "$out" logs 2>/dev/null && rm -rf "$out/logs"
 exit "$rc"

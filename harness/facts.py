@@ -38,6 +38,46 @@ def installed_vllm() -> tuple[str | None, str | None]:
     return None, None
 
 
+# Where vLLM declares its attention backends' names (the enum `--attention-backend` is
+# parsed into, case-insensitively; "auto" means vLLM's choice): the releases the harness
+# runs on, then the module's earlier place.
+ATTENTION_BACKEND_SOURCES = (
+    ("v1/attention/backends/registry.py", "AttentionBackendEnum"),
+    ("attention/backends/registry.py", "AttentionBackendEnum"),
+)
+
+
+def attention_backend_names() -> tuple[tuple[str, ...] | None, str]:
+    """(the attention backend names the installed vLLM knows, where they were read) or
+    (None, why not), read from its source without importing it (importing vLLM takes
+    seconds, and a configure step must not)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None, "vLLM is not installed here"
+    root = Path(list(spec.submodule_search_locations)[0])
+    for rel, cls in ATTENTION_BACKEND_SOURCES:
+        path = root / rel
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                names = [t.id for st in node.body if isinstance(st, (ast.Assign, ast.AnnAssign))
+                         for t in (st.targets if isinstance(st, ast.Assign) else [st.target])
+                         if isinstance(t, ast.Name) and t.id.isupper()]
+                if names:
+                    return tuple(names), f"{cls} in {path}"
+    return None, f"no attention backend enum found in the vLLM at {root}"
+
+
 def server_version(url: str, timeout: float = 10.0) -> str | None:
     """What a running server says of itself (``GET /version``), or None."""
     try:
@@ -173,13 +213,24 @@ def legacy_env_free(environ) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- commands
 
+def command_parser(**kw):
+    """An ``argparse.ArgumentParser`` that says a usage error in the harness's one
+    style, ``<prog>: <message>`` on one line of stderr, exit 2 (argparse prints the
+    whole usage, then ``<prog>: error: <message>``)."""
+    import argparse
+
+    class CommandParser(argparse.ArgumentParser):
+        def error(self, message):
+            self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    return CommandParser(**kw)
+
+
 def run_command(prog: str, doc: str, add_arguments: Callable, run: Callable,
                 argv: list[str] | None = None) -> int:
     """A subcommand's ``main``: parse, then run; argparse's own exit (2 for a usage
     error, 0 for --help) becomes the return value instead of a SystemExit."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog=prog, description=doc.strip().splitlines()[0])
+    p = command_parser(prog=prog, description=doc.strip().splitlines()[0])
     add_arguments(p)
     try:
         args = p.parse_args(argv)

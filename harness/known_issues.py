@@ -121,6 +121,48 @@ class KnownIssue:
             return pytest.RaisesExc(cls, match=self.match)
         return cls
 
+    def check_raises(self) -> None:
+        """That ``raises`` names an exception class, checked without importing its
+        module (an import can cost seconds, and every run loads this file): a builtin,
+        or a name the module's source defines or imports at its top level. Raises
+        ImportError or AttributeError otherwise; ``raises_spec`` imports it, for the
+        tests an entry marks."""
+        import ast
+        import builtins
+        import importlib.util
+
+        if not self.raises:
+            return
+        if "." not in self.raises:
+            if not isinstance(getattr(builtins, self.raises, None), type):
+                raise AttributeError(f"no builtin exception {self.raises!r}")
+            return
+        module, _, name = self.raises.rpartition(".")
+        if module in sys.modules:
+            getattr(sys.modules[module], name)
+            return
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            raise ImportError(f"no module named {module!r}")
+        try:  # the file itself: pytest's import hook, a loader too, cannot give sources
+            source = (Path(spec.origin).read_text(encoding="utf-8")
+                      if spec.origin and spec.origin.endswith(".py") else None)
+        except OSError:
+            source = None
+        if source is None:  # no source to read (an extension module): import it
+            getattr(importlib.import_module(module), name)
+            return
+        defined = set()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Assign):
+                defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        if name not in defined:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
     def reason(self) -> str:
         return f"known issue {self.id} ({self.upstream}): {self.symptom}"
 
@@ -189,7 +231,7 @@ def parse(data: dict, source: str = "<known issues>") -> list[KnownIssue]:
                            workaround=str(e.get("workaround", "")),
                            raises=str(e.get("raises", "")), match=str(e.get("match", "")))
         try:
-            issue.raises_spec()
+            issue.check_raises()
         except (ImportError, AttributeError) as err:
             raise ValueError(f"{where}: 'raises' names no exception class: {err}") from None
         if not (issue.tests or issue.backends or issue.models or issue.dtypes):
@@ -498,10 +540,11 @@ def load_report(path: str) -> dict:
 
 
 def verify_main(argv: list[str]) -> int:
-    import argparse
+    from .facts import command_parser
 
-    ap = argparse.ArgumentParser(
-        prog="python -m harness.known_issues verify",
+    prog = "python -m harness.known_issues verify"
+    ap = command_parser(
+        prog=prog,
         description="Check that every version each known-issue entry lists as 'checked' is "
                     "backed by a run: a report of that vLLM version, from a host the entry "
                     "applies to, in which the entry's tests came out known (or fixed). "
@@ -509,12 +552,15 @@ def verify_main(argv: list[str]) -> int:
     ap.add_argument("reports", nargs="+", metavar="REPORT.json")
     ap.add_argument("--file", help="known-issues file (default: the shipped one, or "
                                    f"${ENV_PATH})")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, said on stderr)
+        return int(e.code or 0)
     try:
         issues = load(Path(args.file) if args.file else None)
         reports = [(p, load_report(p)) for p in args.reports]
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     for name, r in reports:
         version, host = report_facts(r)
@@ -543,10 +589,32 @@ def verify_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.known_issues [VERSION]``: validate the file and list entries.
     ``python -m harness.known_issues verify REPORT.json ...``: see ``verify_main``."""
+    from packaging.version import InvalidVersion, Version
+
+    from .facts import command_parser
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
-    version = argv[0] if argv else installed_vllm()[0]
+    prog = "python -m harness.known_issues"
+    ap = command_parser(
+        prog=prog, description="Validate the known-issues file and say which entries apply "
+        "to a vLLM version. `python -m harness.known_issues verify REPORT.json ...` checks "
+        "the versions the entries call checked against run reports (verify --help).")
+    ap.add_argument("version", nargs="?", metavar="VERSION",
+                    help="a vLLM version, e.g. 0.32.0 (default: the installed vLLM's)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, said on stderr)
+        return int(e.code or 0)
+    version = args.version or installed_vllm()[0]
+    if args.version is not None:
+        try:
+            Version(args.version)
+        except InvalidVersion:
+            print(f"{prog}: {args.version!r} is not a vLLM version (e.g. 0.32.0)",
+                  file=sys.stderr)
+            return 2
     for issue in load():
         where = "applies" if issue.applies_to_version(version) else "does not apply"
         print(f"{issue.id}: {where} to vLLM {version} (affected '{issue.affected}', "

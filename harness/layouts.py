@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -92,6 +93,11 @@ def gpu_count() -> int:
             return n
         except (OSError, subprocess.TimeoutExpired):
             pass
+    try:
+        if "+cpu" in importlib.metadata.version("torch"):
+            return 0  # a CPU build of torch sees no GPU; importing it to ask takes seconds
+    except importlib.metadata.PackageNotFoundError:
+        pass
     try:
         out = subprocess.run([sys.executable, "-c",
                               "import torch; print(torch.cuda.device_count())"],

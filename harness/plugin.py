@@ -81,7 +81,7 @@ _SESSION = pytest.StashKey[SyncSession]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("weight-sync-harness")
     for opt in _settings.OPTIONS:
-        where = f"env {opt.env}; ini {opt.name}"
+        where = f"default {opt.default_text()}; env {opt.env}; ini {opt.name}".replace("%", "%%")
         if isinstance(opt.default, bool):
             group.addoption(opt.flag, action="store_true", default=None,
                             help=f"{opt.help} ({where})")
@@ -105,8 +105,9 @@ def pytest_configure(config: pytest.Config) -> None:
         except _settings.SettingsError as e:
             raise pytest.UsageError(str(e)) from None
     for w in caught:  # said once, where a user sees it
-        config.issue_config_time_warning(pytest.PytestDeprecationWarning(str(w.message)),
-                                         stacklevel=2)
+        kind = (pytest.PytestDeprecationWarning if issubclass(w.category, DeprecationWarning)
+                else pytest.PytestConfigWarning)
+        config.issue_config_time_warning(kind(str(w.message)), stacklevel=2)
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
     state = config.stash[STATE] = RunState(s)

@@ -187,11 +187,24 @@ def remove_orphan_scratch() -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.reaper [--dry-run]``: list (and stop) orphans of dead runs."""
-    argv = sys.argv[1:] if argv is None else argv
+    from .facts import command_parser
+
+    p = command_parser(
+        prog="python -m harness.reaper",
+        description="Stop what killed harness runs left behind: the processes of this user "
+                    f"whose {OWNER_ENV} tag names a run that no longer exists, and their "
+                    "scratch directories. Processes without the tag, or of a live run, are "
+                    "never touched.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the orphans, stop nothing")
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, said on stderr)
+        return int(e.code or 0)
     orphans = find_orphans()
     for o in orphans:
-        print(("would stop " if "--dry-run" in argv else "stopping ") + o.describe())
-    if orphans and "--dry-run" not in argv:
+        print(("would stop " if args.dry_run else "stopping ") + o.describe())
+    if orphans and not args.dry_run:
         reap(orphans)
     if not orphans:
         print("no orphaned harness processes")

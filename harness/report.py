@@ -10,8 +10,10 @@ of the session it writes one JSON document:
 ``capabilities``  what the vLLM under test offers: HTTP routes (from the first server's
                   /openapi.json), /pause modes and parameters, the trainer-side API
                   generation (``harness.vllm_api.probe``), which weight-transfer
-                  backends load here, and ``oracles``: logits, and vLLM's weight
-                  checksums where /weight_checker is offered
+                  backends load here (probed once per vLLM installation:
+                  ``probe_cache`` names the cached answer, ``harness.probe_cache``),
+                  and ``oracles``: logits, and vLLM's weight checksums where
+                  /weight_checker is offered
 ``summary``       counts per outcome, plus ``known`` (xfailed by a known issue),
                   ``new_failures`` and ``fixed_known_issues`` (node ids)
 ``tests``         per test: nodeid, outcome (passed / failed / error / skipped /
@@ -59,6 +61,19 @@ from .pool import start_seconds_by_mode
 SCHEMA_VERSION = 3  # 2: per-test "syncs", top-level "timing"; 3: per-test "timing", "plan"
 PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
+# Run by harness.probe_cache.answer in a process of its own (it outlives a short run):
+# probe, keep a complete answer for the next run, and hand this one to the caller. Alone,
+# it may take longer than a run waits: on a loaded 2-core host importing vLLM took over
+# the probes' 120 s, so no answer was ever complete, and every run paid the wait.
+PROBE_CHILD = """import functools, json, sys
+from harness import probe_cache, report, vllm_api
+vllm_api.PROBE_TIMEOUT_S = probe_cache.CHILD_TIMEOUT_S
+vllm_api.backend_importable = functools.partial(vllm_api.backend_importable,
+                                                timeout=probe_cache.CHILD_TIMEOUT_S)
+value = report.backend_capabilities(True)
+probe_cache.store(value)
+open(sys.argv[1], "w").write(json.dumps(value))
+"""
 
 # Routes the harness's client calls (harness/client.py); losing one of these between
 # two vLLM versions is a regression ``harness diff`` reports.
@@ -303,6 +318,7 @@ class ReportPlugin:
         self.openapi_error: str | None = None
         self.openapi_attempts = 0
         self.backend_caps: tuple[dict, dict] | None = None
+        self.probe_cache: str | None = None  # the file the probes' answer came from
         self._start_probes()
         self.write_error: str | None = None
 
@@ -426,7 +442,13 @@ class ReportPlugin:
 
         def run() -> None:
             try:
-                self.backend_caps = backend_capabilities(probe)
+                if probe:  # once per vLLM installation (harness.probe_cache)
+                    from .probe_cache import answer
+
+                    caps, self.probe_cache = answer(PROBE_CHILD, PROBE_WAIT_S + 60)
+                    self.backend_caps = caps or ({"error": "the probes did not finish"}, {})
+                else:
+                    self.backend_caps = backend_capabilities(False)
             except Exception as e:  # recorded, never raised into the run
                 self.backend_caps = ({"error": f"{type(e).__name__}: {e}"}, {})
             self._probes_done.set()
@@ -450,6 +472,7 @@ class ReportPlugin:
             "pause": self.openapi["pause"] if self.openapi else None,
             "trainer_api": trainer_api,
             "backends": backends,
+            "probe_cache": self.probe_cache,
         }
         if self.openapi is None:
             caps["routes_error"] = self.openapi_error or "no vLLM server was started or attached"

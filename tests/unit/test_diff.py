@@ -21,6 +21,13 @@ CASE = {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
         "dtype": "float32", "model": "llama"}
 
 
+@pytest.fixture(autouse=True)
+def wide_output(monkeypatch):
+    """These tests read whole lines of the text: 120 columns (the width tests below
+    set their own)."""
+    monkeypatch.setenv("COLUMNS", "120")
+
+
 def _test(nodeid, outcome="passed", known=None, metrics=None, message=None, case=CASE, **kw):
     return {"nodeid": nodeid, "outcome": outcome, "duration": 1.0, "reason": kw.get("reason"),
             "known_issue": known, "xpass_strict": kw.get("xpass_strict", False),
@@ -247,11 +254,12 @@ def test_a_test_record_without_an_outcome_is_bad_input(tmp_path, capsys):
                                        "test record 1 has no 'nodeid' or 'outcome'\n")
 
 
-@pytest.mark.parametrize("argv", [["only-one.json"], ["a.json", "b.json", "--threshold-rel", "-1"],
-                                  ["a.json", "b.json", "--allow-everything"]])
-def test_usage_errors_exit_2(argv, capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["only-one.json"], "the following arguments are required: b"),
+    (["a.json", "b.json", "--allow-everything"], "unrecognized arguments: --allow-everything")])
+def test_usage_errors_exit_2(argv, says, capsys):
     assert diff.main(argv) == 2
-    assert "usage: harness diff" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"harness diff: {says} (see harness diff --help)\n"
 
 
 # ----------------------------------------------------------------------------- what ran
@@ -520,3 +528,107 @@ def test_a_newer_schema_is_read(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^report schema +1 +2 +changed$", out, re.M), out
     assert "No regression." in out
+
+
+# ----------------------------------------------------------------------------- readable text
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD, NEW = ROOT / "reports" / "cpu-vllm-0.27.1.json", ROOT / "reports" / "cpu-vllm-0.32.0.json"
+
+
+def _committed_text(monkeypatch, capsys, columns: str | None) -> str:
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    monkeypatch.chdir(ROOT)
+    assert diff.main([str(OLD.relative_to(ROOT)), str(NEW.relative_to(ROOT))]) == 1
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns, width", [(None, 80), ("60", 60), ("100", 100),
+                                            ("132", 132)])
+def test_the_text_fits_columns(columns, width, monkeypatch, capsys):
+    """80 columns when stdout is not a terminal (a pipe, a file) and COLUMNS is unset."""
+    out = _committed_text(monkeypatch, capsys, columns)
+    assert max(map(len, out.splitlines())) <= width, max(out.splitlines(), key=len)
+
+
+def test_the_committed_upgrade_text_is_what_diff_prints(monkeypatch, capsys):
+    out = _committed_text(monkeypatch, capsys, None)
+    assert (ROOT / "reports" / "upgrade-0.27.1-to-0.32.0.txt").read_text() == out
+
+
+def test_reasons_are_wrapped_whole_and_said_once(monkeypatch, capsys):
+    out = _committed_text(monkeypatch, capsys, None)
+    words = out.split()
+    # the xfail reason of qwen3-moe once ended "... reload/layerwise.py; no upstr)"
+    assert "upstr)" not in words and "CPUUnquantizedExperts computes with" in " ".join(words)
+    # "known issue X newly applies in B: known issue X (...)" named the issue twice
+    for issue in ("wrong-shape-breaks-later-updates", "cpu-moe-reload-unpacked-experts"):
+        section = out[out.index("== Tests"):out.index("== Coverage")]
+        assert " ".join(section.split()).count(f"known issue {issue}") == 1, issue
+
+
+def test_regressions_are_counted_as_distinct_facts(monkeypatch, capsys):
+    """qwen3-moe's lost parity was 4 of 10: its test's outcome, its known issue and two
+    metrics. 4 things regressed: 3 known issues now apply, and a /pause flag is gone."""
+    out = _committed_text(monkeypatch, capsys, None)
+    verdict = out[out.index("REGRESSED:"):]
+    assert verdict.startswith("REGRESSED: 4 (10 findings, the same fact counted once)\n")
+    assert len([ln for ln in verdict.splitlines() if ln.startswith("  - ")]) == 4
+    facts = diff.compare(diff.load(OLD), diff.load(NEW))["regressed"]
+    assert [f["findings"] for f in facts] == [2, 4, 3, 1]
+    moe = [f for f in facts if "qwen3-moe" in f["fact"] + " ".join(f["also"])]
+    assert len(moe) == 1 and moe[0]["fact"].startswith("known issue cpu-moe-reload")
+
+
+def test_no_absurd_percentages(monkeypatch, capsys):
+    out = _committed_text(monkeypatch, capsys, None)
+    assert not re.search(r"[+-]\d{4,}%", out) and "inf%" not in out
+    assert "topk_max_abs_dlogprob 1.335e-05 -> 5.557: x4.2e5" in out
+    assert "topk_misses 0 -> 362: from 0 to 362" in out
+    monkeypatch.setenv("COLUMNS", "120")
+    assert diff.main([str(OLD), str(NEW), "--json"]) == 1
+    raw = capsys.readouterr().out
+    assert "Infinity" not in raw and "NaN" not in raw  # strict JSON
+
+
+def test_long_reasons_wrap_at_word_boundaries(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    words = [f"word{i:02d}" for i in range(40)]
+    a, b = _report(), _report()
+    b["tests"][1] = _test("t.py::test_gibberish[shm]", "failed",
+                          message="AssertionError: " + " ".join(words))
+    assert _run(tmp_path, a, b) == 1
+    out = capsys.readouterr().out
+    tokens = set(out.replace(":", " ").split())
+    assert set(words) <= tokens  # every word whole
+    assert max(map(len, out.splitlines())) <= 80
+
+
+@pytest.mark.parametrize("a, b, said", [
+    (0.02605, 0.0639, "+145%"), (1.335e-05, 5.557, "x4.2e5"), (0.0397, 0.645, "x16.2"),
+    (0, 362, "from 0 to 362"), (1, 0.008219, "-99%"), (3, 3, "unchanged"),
+    (-1, 2, "from -1 to 2"),
+])
+def test_a_change_is_said_in_words_that_mean_something(a, b, said):
+    from harness import text
+
+    assert text.change(a, b) == said
+
+
+def test_the_table_functions_fit_any_width():
+    from harness import text
+
+    rows = [["REGRESSION", "cpu-moe-reload-unpacked-experts",
+             "not applied: vLLM 0.27.1 outside '>=0.32.0'; its tests pass here", "known"],
+            ["info", "k", "x", "y"]]
+    wide = text.table(["level", "id", "A", "B"], rows, 200, flex=(2, 3), key=(0, 1))
+    assert wide[0].split() == ["level", "id", "A", "B"] and len(wide) == 4
+    narrow = text.table(["level", "id", "A", "B"], rows, 60, flex=(2, 3), key=(0, 1))
+    assert narrow[0] == "REGRESSION  cpu-moe-reload-unpacked-experts"  # a record per row
+    assert all(len(ln) <= 60 for ln in narrow)
+    assert " ".join(" ".join(narrow).split()).count("its tests pass here") == 1
+    assert text.split_word("tests/test_x.py::test_y[shm-cpu-fp32-llama]", 20) == [
+        "tests/test_x.py::", "test_y[shm-cpu-fp32-", "llama]"]

