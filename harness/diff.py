@@ -251,7 +251,7 @@ def _versions(a: dict, b: dict, ran_a: Counter, ran_b: Counter) -> list[dict]:
              ("backends ran", _ran_summary(ran_a, 0), _ran_summary(ran_b, 0)),
              ("layouts ran", _ran_summary(ran_a, 1), _ran_summary(ran_b, 1)),
              ("vllm", vllm(ha), vllm(hb))]
-    if {a.get("schema", KNOWN_SCHEMA), b.get("schema", KNOWN_SCHEMA)} != {KNOWN_SCHEMA}:
+    if a.get("schema", KNOWN_SCHEMA) != b.get("schema", KNOWN_SCHEMA):
         pairs.append(("report schema", a.get("schema"), b.get("schema")))
     if ha.get("complete") is False or hb.get("complete") is False:
         # written after each test: a run cut short by a time limit still has a report
