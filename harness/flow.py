@@ -37,12 +37,15 @@ OnStep = Callable[..., None]
 PHASES = ("server_wait", "reference", "before", "sync", "after", "observe", "twin_wait")
 
 
-def trainer_spec(case: Case, url: str, options: dict | None = None) -> TrainerSpec:
+def trainer_spec(case: Case, url: str, options: dict | None = None,
+                 code: str | None = None) -> TrainerSpec:
     """The trainer of ``case`` against the server at ``url``: the spec the pool
-    prepares ahead for a planned server and the one a sync asks for are the same."""
+    prepares ahead for a planned server and the one a sync asks for are the same.
+    ``code`` overrides the case's trainer code (harness | vllm)."""
     lay = case.layout
     return TrainerSpec.make(url=url, engine=case.backend.engine, packed=case.backend.packed,
-                            dtype=case.dtype, device=lay.trainer_device, code=case.trainer,
+                            dtype=case.dtype, device=lay.trainer_device,
+                            code=code or case.trainer,
                             options=dict(options or {}, device=lay.trainer_device))
 
 
@@ -117,8 +120,8 @@ class SyncSession:
         return parity.compare(self.observe(ref, client), ref, decode=self.decode)
 
     # ------------------------------------------------------------------ sync
-    def trainer_spec(self, options: dict | None = None) -> TrainerSpec:
-        return trainer_spec(self.case, self.server.url, options)
+    def trainer_spec(self, options: dict | None = None, code: str | None = None) -> TrainerSpec:
+        return trainer_spec(self.case, self.server.url, options, code)
 
     def sync(self, weights_dir: str | Path | None = None, **kw: Any) -> dict:
         """``_sync``, timed as the test's "sync" phase."""
@@ -128,18 +131,24 @@ class SyncSession:
     def _sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
               corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
               pause_mode: str | None = None, options: dict | None = None,
-              fresh_trainer: bool = False) -> dict:
+              fresh_trainer: bool = False, trainer_code: str | None = None) -> dict:
         """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
 
         The server's persistent trainer for this backend variant does the work (its
         group was opened by its first sync); ``fresh_trainer`` uses a trainer of its
         own instead: a new process and a new group, gone afterwards. ``lie``: the
         update info disagrees with the tensors (``harness.trainer.LIES``).
+        ``trainer_code`` pushes with other trainer code than the case's (harness |
+        vllm): a trainer of its own, as ``fresh_trainer``.
 
         When the sync fails, the error raised is the trainer's (a failing /resume
         after it does not hide it), with a note on the state of the server."""
         weights = str(weights_dir or self.model_path)
-        spec = self.trainer_spec(options)
+        spec = self.trainer_spec(options) if trainer_code is None else \
+            self.trainer_spec(options, trainer_code)
+        # another code than the server's persistent trainers run: a trainer of its own
+        fresh_trainer = fresh_trainer or (trainer_code is not None
+                                          and trainer_code != self.case.trainer)
         # Until the trainer reports success the server holds an unknown mix of weights.
         self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
         if pause:
