@@ -26,7 +26,7 @@ from .client import ServerClient
 from .pool import ServerPool, State
 from .reference import Reference, hf_reference
 from .server import ServerConfig, VLLMServer
-from .trainer import TrainerSpec, run_trainer
+from .trainer import TrainerCodeUnavailable, TrainerSpec, run_trainer
 
 OnStep = Callable[..., None]
 
@@ -150,6 +150,7 @@ class SyncSession:
         fresh_trainer = fresh_trainer or (trainer_code is not None
                                           and trainer_code != self.case.trainer)
         # Until the trainer reports success the server holds an unknown mix of weights.
+        held = self.pool.holding_of(self.server_cfg)
         self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
         if pause:
             self.client.pause(pause_mode) if pause_mode else self.client.pause()
@@ -170,6 +171,8 @@ class SyncSession:
                     weights, corrupt=corrupt, corrupt_target=corrupt_target, **lying,
                     timeout=self.sync_timeout)
         except BaseException as e:
+            if isinstance(e, TrainerCodeUnavailable):  # refused before any route was called
+                self.pool.set_holding(self.server_cfg, held.state, held.weights)
             _add_note(e, self.server_state())
             if pause:
                 try:

@@ -62,6 +62,10 @@ API_KEY_ENV = "HARNESS_TRAINER_API_KEY"
 # checks failing without editing a test.
 VLLM_CODE_CORRUPTIONS = ("drop",)
 DROP_ENV = "HARNESS_VLLM_TRAINER_DROP"
+# The options the vllm trainer code has (vllm_code.SeedTrainer's, wrap, and the child's);
+# any other (a fault test's hold or delay) is the harness path's only.
+VLLM_CODE_OPTIONS = ("device", "packed_buffer_size_bytes", "packed_num_buffers", "bucket_bytes",
+                     "reprocess_tied", "master_address", "nccl_port", "wrap", "recover_in_place")
 # Engines whose trainer survives a failed sync: it closes its group and opens a new one
 # with the next sync (see _child_main); an NCCL trainer is ended instead, and so is any
 # trainer whose options say {"recover_in_place": False}.
@@ -258,9 +262,12 @@ class _VllmCode:
         if corrupt is None:
             return None, "none"
         if corrupt not in VLLM_CODE_CORRUPTIONS:
-            raise ValueError(f"the vllm trainer code sends a ModuleSource over its live module; "
-                             f"of the corruptions it takes only {', '.join(VLLM_CODE_CORRUPTIONS)}"
-                             f" (a source that leaves a parameter out), not {corrupt!r}")
+            from harness.backends.vllm_code import Unavailable
+
+            raise Unavailable(f"the vllm trainer code sends a ModuleSource over its live module;"
+                              f" of the corruptions it takes only "
+                              f"{', '.join(VLLM_CODE_CORRUPTIONS)} (a source that leaves a "
+                              f"parameter out), not {corrupt!r}")
         named = [(n, p) for n, p in self.module.named_parameters()]
         _, what = corrupt_weights(named, "drop", target)  # the harness path's own pick
         name = what.removeprefix("dropped ")
@@ -274,8 +281,13 @@ class _VllmCode:
             return self.describe(cmd["weights_dir"])
         result: dict[str, Any] = {}
         if cmd.get("lie"):
-            raise ValueError("the vllm trainer code posts through vLLM's own client: it cannot "
-                             "be made to lie about its tensors (lie is the harness path's)")
+            raise vllm_code.Unavailable("the vllm trainer code posts through vLLM's own client: "
+                                        "it cannot be made to lie about its tensors (lie is the "
+                                        "harness path's)")
+        other = sorted(set(self.options) - set(VLLM_CODE_OPTIONS))
+        if other:
+            raise vllm_code.Unavailable(f"the vllm trainer code has no option {', '.join(other)} "
+                                        "(the harness path's)")
         t1 = time.monotonic()
         self.load(cmd["weights_dir"])
         result["load_seconds"] = time.monotonic() - t1
@@ -529,7 +541,9 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                 # keeps its imports, CUDA context and weights. An NCCL group may be
                 # wedged in a collective, and a failure outside a sync is not ours to
                 # judge: this trainer is done.
-                if (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
+                if result["unavailable"]:  # refused before anything was sent: nothing to undo
+                    result["alive"] = True
+                elif (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
                         and options.get("recover_in_place", True)
                         and isinstance(e, Exception) and code.has_group):
                     try:
