@@ -26,7 +26,7 @@ from .client import ServerClient
 from .pool import ServerPool, State
 from .reference import Reference, hf_reference
 from .server import ServerConfig, VLLMServer
-from .trainer import TrainerSpec, run_trainer
+from .trainer import TrainerCodeUnavailable, TrainerSpec, run_trainer
 
 OnStep = Callable[..., None]
 
@@ -37,12 +37,15 @@ OnStep = Callable[..., None]
 PHASES = ("server_wait", "reference", "before", "sync", "after", "observe", "twin_wait")
 
 
-def trainer_spec(case: Case, url: str, options: dict | None = None) -> TrainerSpec:
+def trainer_spec(case: Case, url: str, options: dict | None = None,
+                 code: str | None = None) -> TrainerSpec:
     """The trainer of ``case`` against the server at ``url``: the spec the pool
-    prepares ahead for a planned server and the one a sync asks for are the same."""
+    prepares ahead for a planned server and the one a sync asks for are the same.
+    ``code`` overrides the case's trainer code (harness | vllm)."""
     lay = case.layout
     return TrainerSpec.make(url=url, engine=case.backend.engine, packed=case.backend.packed,
-                            dtype=case.dtype, device=lay.trainer_device, code=case.trainer,
+                            dtype=case.dtype, device=lay.trainer_device,
+                            code=code or case.trainer,
                             options=dict(options or {}, device=lay.trainer_device))
 
 
@@ -119,8 +122,8 @@ class SyncSession:
         return parity.compare(self.observe(ref, client), ref, decode=self.decode)
 
     # ------------------------------------------------------------------ sync
-    def trainer_spec(self, options: dict | None = None) -> TrainerSpec:
-        return trainer_spec(self.case, self.server.url, options)
+    def trainer_spec(self, options: dict | None = None, code: str | None = None) -> TrainerSpec:
+        return trainer_spec(self.case, self.server.url, options, code)
 
     def sync(self, weights_dir: str | Path | None = None, **kw: Any) -> dict:
         """``_sync``, timed as the test's "sync" phase."""
@@ -130,7 +133,8 @@ class SyncSession:
     def _sync(self, weights_dir: str | Path | None = None, *, corrupt: str | None = None,
               corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
               pause_mode: str | None = None, options: dict | None = None,
-              fresh_trainer: bool = False, trainer_dtype: str | None = None) -> dict:
+              fresh_trainer: bool = False, trainer_dtype: str | None = None,
+              trainer_code: str | None = None) -> dict:
         """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
 
         The server's persistent trainer for this backend variant does the work (its
@@ -139,14 +143,21 @@ class SyncSession:
         update info disagrees with the tensors (``harness.trainer.LIES``).
         ``trainer_dtype``: the trainer holds and sends its weights in this dtype, not
         the server's (fp32 master weights into a bf16 server); a fresh trainer does it.
+        ``trainer_code`` pushes with other trainer code than the case's (harness |
+        vllm): a trainer of its own, as ``fresh_trainer``.
 
         When the sync fails, the error raised is the trainer's (a failing /resume
         after it does not hide it), with a note on the state of the server."""
         weights = str(weights_dir or self.model_path)
-        spec = self.trainer_spec(options)
+        spec = self.trainer_spec(options) if trainer_code is None else \
+            self.trainer_spec(options, trainer_code)
+        # another code than the server's persistent trainers run: a trainer of its own
+        fresh_trainer = fresh_trainer or (trainer_code is not None
+                                          and trainer_code != self.case.trainer)
         if trainer_dtype is not None and trainer_dtype != spec.dtype:
             spec, fresh_trainer = dataclasses.replace(spec, dtype=trainer_dtype), True
         # Until the trainer reports success the server holds an unknown mix of weights.
+        held = self.pool.holding_of(self.server_cfg)
         self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
         if pause:
             self.client.pause(pause_mode) if pause_mode else self.client.pause()
@@ -167,6 +178,8 @@ class SyncSession:
                     weights, corrupt=corrupt, corrupt_target=corrupt_target, **lying,
                     timeout=self.sync_timeout)
         except BaseException as e:
+            if isinstance(e, TrainerCodeUnavailable):  # refused before any route was called
+                self.pool.set_holding(self.server_cfg, held.state, held.weights)
             _add_note(e, self.server_state())
             if pause:
                 try:

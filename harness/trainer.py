@@ -35,10 +35,12 @@ import sys
 import tempfile
 import time
 import traceback
+import unittest
 from pathlib import Path
 from typing import Any, Callable
 
 from harness import repro_script
+from harness.facts import torch_dtype_name
 
 CORRUPTIONS = repro_script.CORRUPTIONS  # ("drop", "scale", "swap", "nothing", "nan")
 # Damage the model cannot even take, for the fault tests (not a parity self-test, so not
@@ -56,6 +58,18 @@ UNSEEN_FAULTS = ("row",)
 LIES = ("names", "shapes", "dtypes", "count", "gpu")
 FAKE_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 API_KEY_ENV = "HARNESS_TRAINER_API_KEY"
+# The vllm trainer code (TrainerSpec.code "vllm", harness.backends.vllm_code) sends what a
+# ModuleSource over its live module yields, through vLLM's own client: the damage it can
+# take is a source that leaves a parameter out (corrupt "drop"); options {"wrap": ...}
+# hand ModuleSource a wrapped module. DROP_ENV applies a drop to every sync of that code
+# ("auto": the parameter corrupt "drop" would pick, or a name), so that a run shows its
+# checks failing without editing a test.
+VLLM_CODE_CORRUPTIONS = ("drop",)
+DROP_ENV = "HARNESS_VLLM_TRAINER_DROP"
+# The options the vllm trainer code has (vllm_code.SeedTrainer's, wrap, and the child's);
+# any other (a fault test's hold or delay) is the harness path's only.
+VLLM_CODE_OPTIONS = ("device", "packed_buffer_size_bytes", "packed_num_buffers", "bucket_bytes",
+                     "reprocess_tied", "master_address", "nccl_port", "wrap", "recover_in_place")
 # Engines whose trainer survives a failed sync: it closes its group and opens a new one
 # with the next sync (see _child_main); an NCCL trainer is ended instead, and so is any
 # trainer whose options say {"recover_in_place": False}.
@@ -65,6 +79,13 @@ SCRATCH_ENV = "HARNESS_TRAINER_SCRATCH"
 
 class TrainerError(RuntimeError):
     pass
+
+
+class TrainerCodeUnavailable(TrainerError, unittest.SkipTest):
+    """The trainer code asked for cannot run on this release or host (vLLM's trainer
+    code for an engine its release has no trainer API for, or cannot register); the
+    message says why. A ``unittest.SkipTest``: pytest reports a test that meets it as
+    skipped with that reason, without this module knowing pytest."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +233,156 @@ class _Weights:
         return self.cache[weights_dir]
 
 
+class _VllmCode:
+    """The child's state when ``spec.code == "vllm"``: the trainer code vLLM's examples
+    teach (``harness.backends.vllm_code.SeedTrainer``: vLLM's HTTPVLLMWeightSyncClient,
+    its trainer API for this release) over one live Hugging Face module, held for the
+    trainer's whole life as an RL trainer holds its model. The ``ModuleSource`` over it
+    is built when the group opens; a sync of other weights loads them into the same
+    parameters in place (what an optimizer step does to them), and the next
+    ``send_weights()`` sends the new values."""
+
+    def __init__(self, spec: TrainerSpec, options: dict):
+        self.spec, self.options = spec, options
+        self.module: Any = None
+        self.holds: str | None = None
+        self.trainer: Any = None
+        self.source: Any = None  # the examples' ModuleSource(model), built at init
+
+    def load(self, weights_dir: str) -> None:
+        from harness import models
+        from harness.reference import load_hf_model
+
+        if self.holds == weights_dir:
+            return
+        if models.is_weightless(weights_dir):
+            raise ValueError("the vllm trainer code sends a live Hugging Face module; "
+                             f"{weights_dir} has no weights")
+        new = load_hf_model(weights_dir, self.spec.dtype, self.spec.device)
+        if self.module is None:
+            self.module = new
+        else:  # in place: the source and the engine keep pointing at the same tensors
+            import torch
+
+            mine, theirs = dict(self.module.named_parameters()), dict(new.named_parameters())
+            if list(mine) != list(theirs) or any(mine[n].shape != theirs[n].shape for n in mine):
+                raise ValueError(f"{weights_dir} is not the architecture the trainer holds")
+            with torch.no_grad():
+                for n, p in mine.items():
+                    p.copy_(theirs[n])
+            del new
+        self.holds = weights_dir
+
+    def _drop(self, corrupt: str | None, target: str | None) -> tuple[str | None, str]:
+        how = "sync"
+        if corrupt is None and os.environ.get(DROP_ENV):
+            corrupt, how = "drop", f"{DROP_ENV}={os.environ[DROP_ENV]}"
+            target = None if os.environ[DROP_ENV] == "auto" else os.environ[DROP_ENV]
+        if corrupt is None:
+            return None, "none"
+        if corrupt not in VLLM_CODE_CORRUPTIONS:
+            from harness.backends.vllm_code import Unavailable
+
+            raise Unavailable(f"the vllm trainer code sends a ModuleSource over its live module;"
+                              f" of the corruptions it takes only "
+                              f"{', '.join(VLLM_CODE_CORRUPTIONS)} (a source that leaves a "
+                              f"parameter out), not {corrupt!r}")
+        named = [(n, p) for n, p in self.module.named_parameters()]
+        _, what = corrupt_weights(named, "drop", target)  # the harness path's own pick
+        name = what.removeprefix("dropped ")
+        return name, (f"left {name} out of the ModuleSource"
+                      + ("" if how == "sync" else f" (deliberate break: {how})"))
+
+    def command(self, cmd: dict) -> dict[str, Any]:
+        from harness.backends import vllm_code
+
+        if cmd["op"] == "describe":
+            return self.describe(cmd["weights_dir"])
+        result: dict[str, Any] = {}
+        if cmd.get("lie"):
+            raise vllm_code.Unavailable("the vllm trainer code posts through vLLM's own client: "
+                                        "it cannot be made to lie about its tensors (lie is the "
+                                        "harness path's)")
+        other = sorted(set(self.options) - set(VLLM_CODE_OPTIONS))
+        if other:
+            raise vllm_code.Unavailable(f"the vllm trainer code has no option {', '.join(other)} "
+                                        "(the harness path's)")
+        t1 = time.monotonic()
+        self.load(cmd["weights_dir"])
+        result["load_seconds"] = time.monotonic() - t1
+        if self.trainer is None:
+            t1 = time.monotonic()
+            self.trainer = vllm_code.SeedTrainer(
+                self.spec.url, engine=self.spec.engine, packed=self.spec.packed,
+                device=self.spec.device, timeout=self.spec.timeout, options=self.options,
+                api_key=os.environ.get(API_KEY_ENV) or None)
+            result["sender_seconds"] = time.monotonic() - t1
+        if cmd["op"] == "prepare":
+            return result
+        drop, what = self._drop(cmd.get("corrupt"), cmd.get("corrupt_target"))
+        wrap = self.options.get("wrap")
+        if drop and wrap:
+            raise ValueError("drop and wrap together are not offered")
+        if self.source is None:
+            t1 = time.monotonic()
+            self.source = vllm_code.module_source(self.module)
+            self.trainer.init(self.source)
+            result["init_seconds"] = time.monotonic() - t1
+        source = self.source
+        if drop or wrap:
+            source = vllm_code.module_source(self.module, drop=drop, wrap=wrap)
+            if wrap:
+                what = (f"ModuleSource over the module wrapped by {wrap} (names prefixed "
+                        f"{vllm_code.WRAP_PREFIX[wrap]!r})")
+        result["corruption"] = what
+        peak = _CudaPeak(self.spec.device)
+        result.update(self.trainer.send(source))
+        result["sync_seconds"] = result["send_seconds"]
+        result.update(peak.facts())
+        result["http_spans"] = []  # vLLM's client is not wrapped: no per-route times
+        return result
+
+    def describe(self, weights_dir: str) -> dict[str, Any]:
+        """What ModuleSource over the live module sends, what the harness path sends for
+        the same directory (its own loader), what the checkpoint holds, what a wrapped
+        module's source would announce. Calls no route."""
+        from harness.backends import vllm_code
+        from harness.reference import load_hf_model
+
+        module = load_hf_model(weights_dir, self.spec.dtype, self.spec.device)
+        source = vllm_code.module_source(module)
+        harness_list = _Weights(self.spec.dtype, self.spec.device).get(weights_dir)
+        checkpoint: dict[str, list[int]] = {}
+        from safetensors import safe_open
+
+        for f in sorted(Path(weights_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    checkpoint[k] = list(st.get_slice(k).get_shape())
+        wraps = {}
+        for w in vllm_code.WRAPS:
+            names = [n for n, _, _ in vllm_code.sent(vllm_code.module_source(module, wrap=w))]
+            wraps[w] = {"count": len(names), "first": names[:2]}
+        return {"module_source": vllm_code.sent(source),
+                "harness": [(n, torch_dtype_name(t), list(t.shape)) for n, t in harness_list],
+                "checkpoint": checkpoint, "wraps": wraps, **vllm_code.describe(module)}
+
+    @property
+    def has_group(self) -> bool:
+        return self.trainer is not None
+
+    def close_group(self) -> None:
+        """After a failed sync: the next one opens a new group (trainer_init again)."""
+        try:
+            if self.trainer is not None:
+                self.trainer.close()
+        finally:
+            self.trainer = self.source = None
+
+    def close(self) -> None:
+        self.close_group()
+
+
 class _TimedClient:
     """The sender's client with the time of every control-plane call recorded:
     ``(route, start, end)`` in ``time.monotonic()`` seconds, which is one clock for
@@ -275,6 +446,90 @@ class _CudaPeak:
                 "trainer_retained_bytes": torch.cuda.memory_allocated(self.device) - self.allocated}
 
 
+class _HarnessCode:
+    """The child's state when ``spec.code == "harness"``: the harness's sender for the
+    engine (``harness.backends``) over its own HTTP client, timed per route, able to lie
+    and to hold; the weights are lists of tensors (``_Weights``), damaged on request."""
+
+    def __init__(self, spec: TrainerSpec, options: dict):
+        self.spec, self.options = spec, options
+        self.sender: Any = None
+        self.client: _TimedClient | None = None
+        self.switch: _SwitchableClient | None = None  # below the timing: lies, holds
+        self.opened = False  # the group: opened by the first sync, not by prepare
+        self.weights: _Weights | None = None
+
+    @property
+    def has_group(self) -> bool:
+        return self.sender is not None
+
+    def command(self, cmd: dict) -> dict[str, Any]:
+        from harness.backends import sender_class
+        from harness.client import ServerClient
+
+        spec, options = self.spec, self.options
+        if cmd["op"] == "describe":
+            raise ValueError("describe is an op of the vllm trainer code")
+        result: dict[str, Any] = {}
+        if self.weights is None:
+            self.weights = _Weights(spec.dtype, spec.device)
+        t1 = time.monotonic()
+        named, what = corrupt_weights(self.weights.get(cmd["weights_dir"]), cmd.get("corrupt"),
+                                      cmd.get("corrupt_target"))
+        if options.get("wrap"):  # the names a wrapped module's named_parameters() gives
+            from harness.backends.vllm_code import WRAP_PREFIX
+
+            prefix = WRAP_PREFIX[options["wrap"]]
+            named = [(prefix + n, t) for n, t in named]
+            what = f"names prefixed {prefix!r} (a module wrapped by {options['wrap']})"
+        result.update(corruption=what, load_seconds=time.monotonic() - t1)
+        if self.sender is None:
+            # building the sender imports vLLM's trainer API and calls no route
+            t1 = time.monotonic()
+            self.switch = _SwitchableClient(
+                ServerClient(spec.url, timeout=spec.timeout,
+                             api_key=os.environ.get(API_KEY_ENV) or None),
+                hold_after_start_s=float(options.get("hold_after_start_s") or 0))
+            self.client = _TimedClient(self.switch)
+            self.sender = sender_class(spec.engine)(self.client, packed=spec.packed,
+                                                    options=options)
+            result["sender_seconds"] = time.monotonic() - t1
+        if cmd["op"] == "prepare":  # everything but the group and the update
+            return result
+        self.client.spans = []
+        if not self.opened:
+            t1 = time.monotonic()
+            self.sender.init()
+            self.opened = True
+            result["init_seconds"] = time.monotonic() - t1
+        peak = _CudaPeak(spec.device)
+        t1 = time.monotonic()
+        if cmd.get("lie") and hasattr(self.sender, "repeat_metadata"):
+            self.sender.repeat_metadata()  # elided metadata cannot lie (vLLM 0.33)
+        liar = self.switch.lie(cmd.get("lie"))
+        try:
+            result.update(self.sender.send(named).as_dict())
+        finally:
+            self.switch.lie(None)
+            if liar is not None:
+                result["lie"] = "; ".join(dict.fromkeys(liar.told)) or "nothing sent"
+        result["sync_seconds"] = time.monotonic() - t1
+        result.update(peak.facts())
+        result["http_spans"] = [(r, a - t1, b - t1) for r, a, b in self.client.spans]
+        return result
+
+    def close_group(self) -> None:
+        try:
+            if self.sender is not None:
+                self.sender.close()
+        finally:
+            self.sender, self.opened = None, False
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
 def _child_main(spec_json: str, result_fd: int) -> int:
     import faulthandler
 
@@ -282,11 +537,7 @@ def _child_main(spec_json: str, result_fd: int) -> int:
     out = os.fdopen(result_fd, "w", buffering=1)
     spec = TrainerSpec(**{**json.loads(spec_json)})
     options = dict(spec.options)
-    sender = None
-    client: _TimedClient | None = None
-    switch: _SwitchableClient | None = None  # below the timing: lies, holds
-    opened = False  # the group: opened by the first sync, not by prepare
-    weights = None
+    code = (_VllmCode if spec.code == "vllm" else _HarnessCode)(spec, options)
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -297,67 +548,27 @@ def _child_main(spec_json: str, result_fd: int) -> int:
             try:
                 import torch
 
-                from harness.backends import sender_class
-                from harness.client import ServerClient
-
                 if spec.device.startswith("cuda"):
                     torch.cuda.set_device(torch.device(spec.device))
-                if weights is None:
-                    weights = _Weights(spec.dtype, spec.device)
-                t1 = time.monotonic()
-                named, what = corrupt_weights(weights.get(cmd["weights_dir"]), cmd.get("corrupt"),
-                                              cmd.get("corrupt_target"))
-                result.update(corruption=what, load_seconds=time.monotonic() - t1)
-                if sender is None:
-                    # building the sender imports vLLM's trainer API and calls no route
-                    t1 = time.monotonic()
-                    switch = _SwitchableClient(
-                        ServerClient(spec.url, timeout=spec.timeout,
-                                     api_key=os.environ.get(API_KEY_ENV) or None),
-                        hold_after_start_s=float(options.get("hold_after_start_s") or 0))
-                    client = _TimedClient(switch)
-                    sender = sender_class(spec.engine)(client, packed=spec.packed,
-                                                       options=options)
-                    result["sender_seconds"] = time.monotonic() - t1
-                if cmd["op"] == "prepare":  # everything but the group and the update
-                    result["ok"] = True
-                else:
-                    client.spans = []
-                    if not opened:
-                        t1 = time.monotonic()
-                        sender.init()
-                        opened = True
-                        result["init_seconds"] = time.monotonic() - t1
-                    peak = _CudaPeak(spec.device)
-                    t1 = time.monotonic()
-                    if cmd.get("lie") and hasattr(sender, "repeat_metadata"):
-                        sender.repeat_metadata()  # elided metadata cannot lie (vLLM 0.33)
-                    liar = switch.lie(cmd.get("lie"))
-                    try:
-                        result.update(sender.send(named).as_dict())
-                    finally:
-                        switch.lie(None)
-                        if liar is not None:
-                            result["lie"] = "; ".join(dict.fromkeys(liar.told)) or "nothing sent"
-                    result["sync_seconds"] = time.monotonic() - t1
-                    result.update(peak.facts())
-                    result["http_spans"] = [(r, a - t1, b - t1) for r, a, b in client.spans]
-                    result["ok"] = True
+                result.update(code.command(cmd))
+                result["ok"] = True
             except BaseException as e:  # report everything, KeyboardInterrupt included
                 result["error"] = f"{type(e).__name__}: {e}"
                 result["traceback"] = traceback.format_exc()
+                result["unavailable"] = bool(getattr(e, "unavailable", False))
                 # A sync that failed leaves its group in an unknown state. Where the
                 # group is only the trainer's own (IPC handles, shm buckets), closing it
                 # is enough: the next sync opens a new one in this same process, which
                 # keeps its imports, CUDA context and weights. An NCCL group may be
                 # wedged in a collective, and a failure outside a sync is not ours to
                 # judge: this trainer is done.
-                if (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
+                if result["unavailable"]:  # refused before anything was sent: nothing to undo
+                    result["alive"] = True
+                elif (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
                         and options.get("recover_in_place", True)
-                        and isinstance(e, Exception) and sender is not None):
+                        and isinstance(e, Exception) and code.has_group):
                     try:
-                        sender.close()
-                        sender, opened = None, False
+                        code.close_group()
                         result["alive"] = True
                     except Exception as close_error:
                         result["error"] += f" (closing its group failed too: {close_error})"
@@ -366,8 +577,7 @@ def _child_main(spec_json: str, result_fd: int) -> int:
             if not result["ok"] and not result.get("alive"):
                 return 1
     finally:
-        if sender is not None:
-            sender.close()
+        code.close()
     return 0
 
 
@@ -479,6 +689,13 @@ class Trainer:
         self.syncs += 1
         return result
 
+    def describe(self, weights_dir: str, *, timeout: float = 600.0) -> dict:
+        """vllm trainer code only: what a ``ModuleSource`` over ``weights_dir``'s model
+        announces, next to the harness path's list for it, the checkpoint's names, the
+        tied parameters and buffers ``named_parameters()`` leaves out, and the names a
+        wrapped module's source would announce. Calls no route."""
+        return self._command({"op": "describe", "weights_dir": str(weights_dir)}, timeout)
+
     def _command(self, cmd: dict, timeout: float) -> dict:
         if not self.alive():
             self.close()
@@ -494,8 +711,13 @@ class Trainer:
         if not result["ok"]:
             if not result.get("alive"):
                 self.kill()
-            raise TrainerError(f"trainer ({self._what()}) failed: {result['error']}\n"
-                               f"{result.get('traceback', '')}\n{self.context()}")
+            if result.get("unavailable"):
+                raise TrainerCodeUnavailable(f"{self.spec.code} trainer code, {self._what()}: "
+                                             f"{result['error'].split(': ', 1)[-1]}")
+            error = TrainerError(f"trainer ({self._what()}) failed: {result['error']}\n"
+                                 f"{result.get('traceback', '')}\n{self.context()}")
+            error.child_error = result["error"]  # what the trainer code itself raised
+            raise error
         return result
 
     def _what(self) -> str:

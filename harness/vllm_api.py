@@ -207,6 +207,71 @@ def _path(caps: dict[str, Any], engine: str, init_info: str, static: tuple[str, 
     return "raw"
 
 
+# --------------------------------------------------------------------------- trainer code
+
+# What vLLM's own trainer code calls per engine, on the factory path: its init info.
+TRAINER_INIT_INFO = {"ipc": "IPCTrainerInitInfo", "nccl": "NCCLTrainerInitInfo"}
+
+
+def trainer_code_path(engine: str, caps: dict[str, Any] | None = None
+                      ) -> tuple[str | None, str]:
+    """How the trainer code vLLM's examples teach pushes ``engine``'s weights on this
+    release: ``(path, what)``, or ``(None, why not)``. Paths:
+
+    * ``factory``: ``WeightTransferTrainerFactory.trainer_init(<Engine>TrainerInitInfo(
+      rank=0, ...), client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))``,
+      then ``send_weights()`` per update (0.27.1+ IPC, 0.32 NCCL, shm once registered);
+    * ``factory-by-backend``: 0.26's factory, ``trainer_init(backend, config, init_info,
+      client=, source=)``; it registers no engine of its own, so only shm takes it;
+    * ``static``: 0.26 IPC, ``IPCWeightTransferEngine.trainer_send_weights(iter(source),
+      {"send_mode": "http", "url": url, "packed": ...})`` between the client's
+      ``start_weight_update`` and ``finish_weight_update``.
+
+    Registration is read live (shm registers itself in the trainer process), the rest
+    from ``probe()``.
+    """
+    caps = caps or probe()
+    module = ENGINE_MODULES.get(engine)
+    if module in caps.get("errors", {}):
+        return None, (f"vLLM's {engine.upper()} engine module cannot be imported: "
+                      f"{caps['errors'][module]}")
+    for need in ("HTTPVLLMWeightSyncClient", "ModuleSource"):
+        if not caps.get(need):
+            return None, f"vLLM {caps.get('vllm_version')} has no {need}"
+    registered: list[str] = []
+    if caps.get("WeightTransferTrainerFactory"):
+        registered = sorted(getattr(lookup("WeightTransferTrainerFactory"), "_registry", {})
+                            or {})
+    by_backend = caps.get("factory_takes_backend")
+    if engine in registered:
+        if engine in TRAINER_INIT_INFO and not caps.get(TRAINER_INIT_INFO[engine]):
+            return None, (f"'{engine}' is registered with the trainer factory, but vLLM "
+                          f"{caps.get('vllm_version')} has no {TRAINER_INIT_INFO[engine]}")
+        if not by_backend:
+            return "factory", (f"WeightTransferTrainerFactory.trainer_init("
+                               f"{TRAINER_INIT_INFO.get(engine, 'ShmTrainerInitInfo')}(rank=0, "
+                               "...), client=HTTPVLLMWeightSyncClient, source=ModuleSource) + "
+                               "send_weights()")
+        return "factory-by-backend", (f"WeightTransferTrainerFactory.trainer_init('{engine}', "
+                                      "WeightTransferConfig, ShmTrainerInitInfo(rank=0, ...), "
+                                      "client=HTTPVLLMWeightSyncClient, source=ModuleSource) + "
+                                      "send_weights()")
+    if engine == "ipc" and caps.get("IPCWeightTransferEngine.trainer_send_weights"):
+        return "static", ("IPCWeightTransferEngine.trainer_send_weights(iter(ModuleSource), "
+                          "{'send_mode': 'http'}) between HTTPVLLMWeightSyncClient's "
+                          "start_weight_update and finish_weight_update")
+    if engine == "nccl":
+        return None, (f"vLLM {caps.get('vllm_version')} has no NCCL trainer engine in its "
+                      "trainer factory (its NCCL trainer API is the static nccl_common."
+                      "trainer_init + trainer_send_weights, with the routes and their threads "
+                      "written by the trainer); the vllm trainer path runs NCCL only through "
+                      "the factory, the harness path covers the static one")
+    if not caps.get("WeightTransferTrainerFactory"):
+        return None, f"vLLM {caps.get('vllm_version')} has no WeightTransferTrainerFactory"
+    return None, (f"'{engine}' is not registered with vLLM {caps.get('vllm_version')}'s "
+                  f"WeightTransferTrainerFactory (registered: {', '.join(registered) or 'none'})")
+
+
 # Run by backend_importable in a child: import MODULE, report the outcome as one JSON line,
 # naming the innermost frame inside vLLM when the import raises.
 _IMPORT_CHILD = """

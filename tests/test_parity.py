@@ -146,6 +146,7 @@ def test_disk_loaded_twin_bit_identical_bf16(synced, harness, request):
 @pytest.mark.twin
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
+@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_disk_loaded_twin_bit_identical_fp32(synced, harness, request):
     _twin_check(synced, harness, request)
 

@@ -197,6 +197,7 @@ def test_invalid_pause_parameters_refused(harness):
 
 @pytest.mark.parametrize("style_name,seed", [pytest.param("keep", 11, id="keep"),
                                              pytest.param("wait", 12, id="wait")])
+@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_weight_update_while_requests_held(harness, style_name, seed):
     style = style_or_skip(harness, style_name)
     with_real_weights(harness)

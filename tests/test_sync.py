@@ -9,6 +9,7 @@ from harness import parity
 
 
 @pytest.mark.fresh_server
+@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_gibberish_before_sync(synced):
     # Dummy weights: the server must be far from the trainer's model, by comparison
     # with the reference, not by a string heuristic.
@@ -17,6 +18,7 @@ def test_gibberish_before_sync(synced):
 
 @pytest.mark.fresh_server
 @pytest.mark.parity
+@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_parity_after_sync(synced):
     r = synced.after
     synced.session.record(**r.metrics())
@@ -75,12 +77,16 @@ ROUNDS = 50
 
 @pytest.mark.parity
 @pytest.mark.backends("shm", "nccl-packed", "nccl-unpacked", "ipc-packed", "ipc-unpacked")
+@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_many_syncs_through_one_group(harness):
     """RL trainers open the weight-transfer group once and push hundreds of updates
     through it. Fifty updates with different weights go through the server's one
     persistent trainer; after each, the server must compute exactly what that round's
     weights compute (teacher-forced logprobs within the dtype's tolerance, the same
-    greedy tokens), so a stale or mixed update in any round fails here."""
+    greedy tokens), so a stale or mixed update in any round fails here. On the vllm
+    path each round loads its weights into the trainer's one live module, in place (as
+    an optimizer step changes them), and the ModuleSource built at the first sync sends
+    them."""
     prompt = harness.reference().prompts[0].prompt
     first_init = None
     seconds = []
@@ -106,6 +112,7 @@ def test_many_syncs_through_one_group(harness):
 
 
 @pytest.mark.parity
+@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_first_sync_on_a_new_group(harness):
     """The path every trainer takes once: a new process opens the group
     (/init_weight_transfer_engine) and its very first update must be complete."""

@@ -11,8 +11,21 @@ a disagreement fails loudly instead of loading garbage.
 
 The worker-side engine is registered with vLLM's ``WeightTransferEngineFactory``
 by ``register()``, which vLLM calls in every one of its processes through the
-``vllm.general_plugins`` entry point declared in pyproject.toml. Keep this
-module's top level free of vLLM imports: the trainer and the test process
+``vllm.general_plugins`` entry point declared in pyproject.toml. ``register()`` also
+registers the trainer side, ``shm_trainer_engine.ShmTrainerWeightTransferEngine``,
+with vLLM's ``WeightTransferTrainerFactory`` where the release has one that takes
+registrations, so that trainer code written for vLLM's own engines (the factory,
+``HTTPVLLMWeightSyncClient``, ``ModuleSource``) runs unchanged over shm:
+
+    from harness.backends import shm
+    from harness.backends.shm_trainer_engine import ShmTrainerInitInfo
+    shm.register()        # or vllm.plugins.load_general_plugins()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        ShmTrainerInitInfo(rank=0, packed=False),
+        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    engine.send_weights()
+
+Keep this module's top level free of vLLM imports: the trainer and the test process
 import it too.
 """
 
@@ -28,10 +41,14 @@ from harness.repro_script import buckets  # one bucketing for the harness and th
 
 BACKEND_NAME = "shm"
 ENGINE_CLASS = "ShmWeightTransferEngine"
+TRAINER_ENGINE_MODULE = "harness.backends.shm_trainer_engine"
+TRAINER_ENGINE_CLASS = "ShmTrainerWeightTransferEngine"
+DEFAULT_BUCKET_BYTES = 16 << 20  # unpacked: buckets of at most this many bytes
 
 
 def register() -> None:
-    """vLLM general plugin: make ``--weight-transfer-config '{"backend": "shm"}'`` work."""
+    """vLLM general plugin: make ``--weight-transfer-config '{"backend": "shm"}'`` work,
+    and the trainer factory's ``ShmTrainerInitInfo`` where the release allows it."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without weight transfer: nothing to register
@@ -39,6 +56,28 @@ def register() -> None:
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, "harness.backends.shm_engine",
                                                     ENGINE_CLASS)
+    register_trainer()
+
+
+def register_trainer() -> tuple[bool, str]:
+    """Register the trainer-side engine with vLLM's ``WeightTransferTrainerFactory``.
+    Returns (registered, why): a release without that factory, or whose factory has no
+    ``register_engine``, cannot take it, and the reason says so. Lazy, as vLLM's own
+    registrations: the engine module (which imports vLLM and torch) loads on first use."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError as e:
+        return False, (f"this vLLM has no WeightTransferTrainerFactory "
+                       f"(vllm.distributed.weight_transfer.factory: {e})")
+    registry = getattr(WeightTransferTrainerFactory, "_registry", None)
+    if not callable(getattr(WeightTransferTrainerFactory, "register_engine", None)) \
+            or registry is None:
+        return False, "this vLLM's WeightTransferTrainerFactory takes no registrations"
+    if BACKEND_NAME not in registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, TRAINER_ENGINE_MODULE,
+                                                     TRAINER_ENGINE_CLASS)
+    return True, (f"{TRAINER_ENGINE_MODULE}.{TRAINER_ENGINE_CLASS} registered with "
+                  "WeightTransferTrainerFactory as 'shm'")
 
 
 def default_root() -> Path:
@@ -124,7 +163,8 @@ class Sender:
         self.client, self.packed = client, packed
         self.owns_root = not options.get("shm_root")
         self.root = Path(options["shm_root"]) if options.get("shm_root") else default_root()
-        self.bucket_bytes = None if packed else int(options.get("bucket_bytes") or 16 << 20)
+        self.bucket_bytes = None if packed else int(options.get("bucket_bytes")
+                                                          or DEFAULT_BUCKET_BYTES)
         self.reprocess_tied = bool(options.get("reprocess_tied"))
         self.retain_updates = bool(options.get("retain_updates"))
         self.bucket_delay_s = float(options.get("bucket_delay_s") or 0.0)

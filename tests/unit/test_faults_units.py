@@ -18,7 +18,7 @@ import pytest
 
 from harness import faults, reaper, settings
 from harness.client import ServerClient
-from harness.pool import ServerPool, ServerUnavailable, State
+from harness.pool import Holding, ServerPool, ServerUnavailable, State
 from harness.server import ServerConfig, build_command, build_env
 from harness.trainer import (API_KEY_ENV, FAKE_GPU_UUID, LIES, LyingClient, Trainer, TrainerError,
                              TrainerSpec, corrupt_weights, lie_about)
@@ -307,6 +307,9 @@ def test_a_failed_sync_keeps_its_own_error_and_says_how_the_server_is(tmp_path):
 
     class Pool:
         log_dir = tmp_path
+
+        def holding_of(self, cfg):
+            return Holding()
 
         def set_holding(self, cfg, state, weights):
             calls.append(state)
