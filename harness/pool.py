@@ -169,9 +169,12 @@ class ServerPool:
                                       f"earlier; not retried:\n{e}")
             self._start_ahead()
             raise
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._starting.pop(cfg, None)
+                # nobody may read this future: the reason goes where a restart looks
+                self._stopped_why[cfg] = (f"its start in the background failed: "
+                                          f"{type(e).__name__}: {e}".splitlines()[0])
             raise
         with self._lock:
             self._starting.pop(cfg, None)

@@ -24,10 +24,12 @@ from harness import parity
 pytestmark = [pytest.mark.parity, pytest.mark.features("fp8"), pytest.mark.models("llama"),
               pytest.mark.dtypes("bfloat16")]
 
-# fp8 vs Hugging Face bf16, a sanity bound only (the twin is the oracle): measured
-# 0.9-1.4 nats max |dlogprob| (1 x H200, vLLM 0.26.0, llama and qwen3); 2.5 leaves
-# ~1.8x over the worst and stays below a perturbed model (> 3 nats, docs/tolerances.md).
-FP8_HF_BOUND = 2.5
+# fp8 vs Hugging Face bf16, a sanity bound only (the twin is the oracle). Measured on
+# 1 x H200, vLLM 0.26.0: 0.9-1.4 nats max |dlogprob| on short prompts, and 3.16 max
+# (mean 0.40, 4 prompts at near-ties) over the 73 tokens of the parity prompts. The max
+# alone does not tell fp8 rounding from a wrong model, so the bound is loose and the mean
+# (below parity.GIBBERISH_MIN_MEAN_ABS, 1.0) does the sanity work.
+FP8_HF_BOUND = 5.0
 ROUND_SEEDS = (1901, 1902)
 SELFTEST_SEED = 1921
 # Not a shard of a fused parameter: left out, it keeps the perturbed values, and the

@@ -227,7 +227,10 @@ def test_prefix_cache_after_sync(harness, request, clear_cache):
 @pytest.mark.selftest
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-@pytest.mark.parametrize("corruption", ["drop", "scale", "swap", "nothing", "nan"])
+# NaN weights kill the engine on GPU (known_issues.toml nan-update-kills-the-gpu-engine):
+# that case runs after every other test on its server
+@pytest.mark.parametrize("corruption", ["drop", "scale", "swap", "nothing",
+                                        pytest.param("nan", marks=pytest.mark.breaks_server)])
 def test_parity_detects_corrupted_update(harness, corruption):
     s = harness
     ref = s.reference()

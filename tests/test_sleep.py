@@ -233,9 +233,11 @@ def test_sleep_routes_without_sleep_mode_pause_and_keep_the_weights(harness):
     assert not s.client.is_sleeping() and not s.client.is_paused()
     # the counterpart of the sleep-mode tests' memory check: it can tell "freed" apart
     if said is not None:
-        assert said < 0.5, f"without --enable-sleep-mode vLLM says /sleep freed {said} GiB"
+        # below the 1 GiB the sleep-mode tests require: seen 0.59 GiB on 1 x H200, 0.26.0
+        # (allocator cache returned to the driver; the weights and the 2 GiB KV cache stay)
+        assert said < 1.0, f"without --enable-sleep-mode vLLM says /sleep freed {said} GiB"
     elif before is not None and asleep is not None:
-        assert before - asleep < 512, (f"without --enable-sleep-mode /sleep freed "
+        assert before - asleep < 1024, (f"without --enable-sleep-mode /sleep freed "
                                        f"{before - asleep:.0f} MiB of GPU memory")
     assert_parity(s, ref, "after /sleep and /wake_up without sleep mode")
     s.sync(s.model_path)
