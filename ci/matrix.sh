@@ -59,7 +59,7 @@ MATRIX_ROOT=${MATRIX_ROOT:-$ROOT/.harness-cache/matrix}
 REPORTS=${MATRIX_REPORTS:-reports/matrix}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-DEFAULT_ARGS='tests/test_parity.py tests/test_sync.py tests/test_pause_resume.py tests/test_faults.py tests/test_known_issues.py tests/test_checksums.py -m "not bench" -k "not second_init and not grow_memory and not inflight_requests and not concurrent_streams and not smollm2" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32'
+DEFAULT_ARGS='tests/test_parity.py tests/test_sync.py tests/test_pause_resume.py tests/test_faults.py tests/test_known_issues.py tests/test_checksums.py -m "not bench" -k "not second_init and not grow_memory and not inflight_requests and not concurrent_streams and not smollm2" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32 --harness-depth full'
 PYTEST_ARGS="${MATRIX_PYTEST_ARGS:-$DEFAULT_ARGS}${MATRIX_PYTEST_EXTRA:+ $MATRIX_PYTEST_EXTRA}"
 LOG_DIR=$MATRIX_ROOT/logs
 mkdir -p "$REPORTS" "$LOG_DIR"

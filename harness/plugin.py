@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from . import models
+from . import facts, models
 from . import plan as _plan
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
@@ -166,16 +166,41 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("case", [pytest.param(None, marks=_deselect(reason))])
         return
     gpus = s.gpus() if any(c.layout.gpus_needed for c in cases) else 0
+    quick = s.depth() == "quick"
+    twin = d.get_closest_marker("twin") is not None
     params = []
     for c in cases:
         marks = [pytest.mark.gpu] if c.layout.gpus_needed else []
+        shallow = quick and _beyond_quick(c, s, twin)
         if c.layout.gpus_needed > gpus:
             marks.append(_deselect(f"layout {c.layout.name} needs {c.layout.gpus_needed} "
                                    f"GPU(s), {gpus} available"))
+        elif shallow:
+            marks.append(_deselect(f"beyond --harness-depth quick ({shallow}); "
+                                   f"--harness-depth full runs it"))
         elif c.unsupported():  # said, not hidden: the reason is what this host's vLLM lacks
             marks.append(pytest.mark.skip(reason=c.unsupported()))
         params.append(pytest.param(c, id=c.id, marks=marks))
     metafunc.parametrize("case", params)
+
+
+def _beyond_quick(c: Case, s, twin: bool) -> str:
+    """Why case ``c`` is left out at quick depth ('' if it is not): the default model runs
+    in every dimension; another architecture once, in float32, without a twin; graph
+    mode (150-300 s a start on CPU) only on GPUs, and no twin of a tensor-parallel CPU
+    layout (a 260 s start). What the user named is always run."""
+    if c.mode != facts.DEFAULT_MODE and not c.layout.gpus_needed and "vllm_mode" not in s.explicit:
+        return f"{c.mode} mode on a host without GPUs"
+    if (twin and c.layout.tensor_parallel_size > 1 and not c.layout.gpus_needed
+            and "vllm_layout" not in s.explicit):
+        return "a twin of a tensor-parallel layout on a host without GPUs"
+    if c.model in s.vllm_model or "vllm_model" in s.explicit:
+        return ""
+    if c.dtype != "float32" and "vllm_dtype" not in s.explicit:
+        return f"{c.model} in {c.dtype}"
+    if twin:
+        return f"{c.model} against its twin"
+    return ""
 
 
 def _case_of(item: pytest.Item) -> Case | None:

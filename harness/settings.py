@@ -238,6 +238,7 @@ class Option:
         return str(default)
 
 
+DEPTHS = ("full", "quick")
 _OPT_IN_LAYOUTS = ", ".join(sorted(set(layouts.LAYOUTS) - set(layouts.DEFAULT_LAYOUTS)))
 
 OPTIONS: tuple[Option, ...] = (
@@ -274,7 +275,7 @@ OPTIONS: tuple[Option, ...] = (
            lambda f, v: _count(f, v, 1), shown_default="what the host's memory holds "
            "(harness.plan.Host)", metavar="N", cli_alias="--max-servers"),
     Option("vllm_max_starting", "servers started at once", None, lambda f, v: _count(f, v, 1),
-           shown_default="one per two CPU cores", metavar="N"),
+           shown_default="one per two CPU cores, two on a host of 2-3 cores", metavar="N"),
     Option("vllm_attention_backend", "attention backend for GPU servers, a name vLLM knows "
            "(FlashAttention 3 refuses float32)", None, _attention_backend,
            shown_default="FLEX_ATTENTION for float32, else vLLM's choice", metavar="NAME"),
@@ -289,6 +290,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("harness_plan_host", "plan for another host: name=value pairs among gpus, cores, "
            "gpu_memory_gib, ram_gib (e.g. gpus=2,cores=32)", None,
            lambda f, v: _host_spec(f, v), shown_default="this host", metavar="SPEC"),
+    Option("harness_depth", "how far the default selection goes: 'full' runs every zoo "
+           "architecture in every dtype its tests pin, with their disk-loaded twins, and the "
+           "graph-mode cases; 'quick' runs llama in every dimension and each other "
+           "architecture once, in float32, without twins, and graph mode only on GPUs "
+           "(naming --vllm-model, --vllm-dtype or --vllm-mode widens it again)", None,
+           _choice(DEPTHS, "depth"), shown_default="full with GPUs, quick without",
+           metavar="DEPTH"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),
@@ -329,6 +337,7 @@ class Settings:
     harness_report: str | None = None
     harness_plan: bool = False
     harness_plan_host: str | None = None
+    harness_depth: str | None = None
     harness_require_gpu: bool = False
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
@@ -338,6 +347,10 @@ class Settings:
         host's), capped by --vllm-gpus. Probes lazily."""
         present = self.host().gpus
         return present if self.vllm_gpus is None else min(present, self.vllm_gpus)
+
+    def depth(self) -> str:
+        """'full' or 'quick' (harness_depth; by default full where GPUs are visible)."""
+        return self.harness_depth or ("full" if self.gpus() else "quick")
 
     def host(self):
         """The host the run is planned for (``harness.plan.Host``): this one, or the one

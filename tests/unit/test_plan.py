@@ -127,7 +127,7 @@ def test_the_expected_waves_follow_the_bounds():
 
 
 def test_host_bounds():
-    assert HOST.max_starting() == 8 and P.Host(0, 2, 0, 24).max_starting() == 1
+    assert HOST.max_starting() == 8 and P.Host(0, 2, 0, 24).max_starting() == 2 and P.Host(0, 1, 0, 24).max_starting() == 1
     gpu = [_cfg(model=f"m{i}") for i in range(40)]
     assert HOST.max_alive(gpu) == int(141 * 5 / 6 // P.Host.GPU_SERVER_GIB)
     cpu = [ServerConfig(model="/m")]
@@ -212,3 +212,23 @@ def test_every_restart_is_recorded_with_its_reason(fake_pool):
     assert "t2 needs never-synced weights, and the server held synced" in reasons[0]
     assert reasons[1] == "after t3: a weight sync did not complete"
     assert pool.started[-1]["unplanned"] == "not in the plan; started for t5"
+
+
+def test_a_host_without_gpus_plans_the_quick_depth_unless_told(tmp_path):
+    """On CPU the default selection runs llama in every dimension and each other
+    architecture once (float32, no twin), and no graph-mode server; --harness-depth full
+    brings back the whole sweep. (The CPU CI budget rests on this.)"""
+    host = "gpus=0,cores=2,ram_gib=24"
+    quick = [s["config"] for s in _plan_of(tmp_path, host)["servers"]]
+    full = [s["config"] for s in _plan_of(tmp_path, host, "--harness-depth", "full")["servers"]]
+    assert not any("mode=graphs" in c for c in quick)
+    assert any("mode=graphs" in c for c in full)
+    others = [c for c in quick if not c.startswith(("llama-", "sized-"))
+              or c.startswith("llama-tied")]
+    assert others and all("float32" in c and "load=dummy" in c for c in others), others
+    assert any(c.startswith("opt-") and "bfloat16" in c for c in full)
+    assert set(quick) < set(full)
+    # what the user names is run: a model named on the command line is swept again
+    named = [s["config"] for s in _plan_of(tmp_path, host, "--vllm-model", "opt",
+                                            "tests/test_parity.py")["servers"]]
+    assert any("bfloat16" in c for c in named)
