@@ -2,8 +2,8 @@
 servers (started side by side), two small sizes, the raw host-copy limit in the same
 run; the table, the JSON and the plot it writes.
 
-The acceptance run (three sizes, under five minutes on two cores) is the README's
-command; this one is shorter so that the suite stays fast."""
+The acceptance run (three sizes, under five minutes on two cores) is the command in
+docs/bench.md; this one is shorter so that the suite stays fast."""
 
 from __future__ import annotations
 
