@@ -39,10 +39,10 @@ import unittest
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import repro_script
 from harness.facts import torch_dtype_name
+from harness.portable import corrupt as _portable_corrupt
 
-CORRUPTIONS = repro_script.CORRUPTIONS  # ("drop", "scale", "swap", "nothing", "nan")
+CORRUPTIONS = _portable_corrupt.CORRUPTIONS  # ("drop", "scale", "swap", "nothing", "nan")
 # Damage the model cannot even take, for the fault tests (not a parity self-test, so not
 # in CORRUPTIONS, which harness repro offers): narrow sends a 2-D weight one column short,
 # its update info agreeing.
@@ -117,7 +117,7 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
     if kind == "row":
         return _bump_last_embedding_row(weights, target)
     if kind != "narrow":
-        return repro_script.corrupt_weights(weights, kind, target)
+        return _portable_corrupt.corrupt_weights(weights, kind, target)
     names = [n for n, _ in weights]
     if target is not None and target not in names:
         raise ValueError(f"corruption target {target!r} is not a tensor of the model")

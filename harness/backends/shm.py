@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.repro_script import buckets  # one bucketing for the harness and the script
+from harness.portable.bucketing import buckets  # one bucketing for the harness and the script
 
 BACKEND_NAME = "shm"
 ENGINE_CLASS = "ShmWeightTransferEngine"
