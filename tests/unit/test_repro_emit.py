@@ -492,8 +492,9 @@ def test_the_shm_sender_posts_what_the_harness_sender_posts(packed, tmp_path, em
     script = emitted("shm")
     ours, theirs = _Recorder(), _Recorder()
     script.send_shm(ours, _weights(), {"packed": packed}, 60)
-    shm.send_weights(theirs, _weights(), root=tmp_path,
-                     bucket_bytes=None if packed else 16 << 20)  # the harness's default
+    sender = shm.Sender(theirs, packed=packed, options={"shm_root": str(tmp_path)})
+    sender.init()
+    sender.send(_weights())  # unpacked: the harness's default bucket size
     assert ours.calls == theirs.calls
     assert [c for c, _ in ours.calls][:2] == ["init", "start"]
 
