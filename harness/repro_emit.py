@@ -267,9 +267,10 @@ def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
         source = keep_regions((PORTABLE / f"{name}.py").read_text(), keep)
         doc, mod_imports, mod_body = _split_module(source)
         imports += mod_imports
-        first = ast.get_docstring(ast.parse(source)) or ""
-        title = first.split("\n\n")[0].split(". ")[0].split(":")[0].replace("\n", " ")
-        parts.append(f"# {'=' * 76}\n# harness/portable/{name}.py: {title}\n\n{mod_body.strip()}\n")
+        about = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].splitlines()
+        comment = "".join(f"# {line}".rstrip() + "\n" for line in about)
+        parts.append(f"# {'=' * 76}\n# harness/portable/{name}.py\n{comment}\n"
+                     f"{mod_body.strip()}\n")
     code = before.rstrip() + "\n\n\n" + "\n\n".join(parts) + "\n\n" + after.lstrip("\n")
     out = head.rstrip() + "\n\nfrom __future__ import annotations\n\n" + \
         _import_block(imports, code) + "\n\n" + code.lstrip("\n")
