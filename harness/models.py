@@ -144,13 +144,13 @@ def _log(msg: str) -> None:
     print(f"[harness.models] {msg}", file=sys.stderr, flush=True)
 
 
-# The builders live in harness/repro_script.py, the standalone script that
-# `harness repro --emit` fills in: a script attached to a bug report then builds the
+# The builders live in harness/portable/recipes.py, which the standalone script that
+# `harness repro --emit` writes carries: a script attached to a bug report then builds the
 # zoo model bit for bit from its recipe (data) without the harness. Changing what
 # they write means bumping RECIPE_VERSION.
 
 def _build_tiny(spec: ZooModel, out: Path) -> None:
-    from .repro_script import build_tiny_model
+    from .portable.recipes import build_tiny_model
 
     build_tiny_model(spec.recipe(), out)
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key()},
@@ -162,7 +162,8 @@ class ModelUnavailable(RuntimeError):
 
 
 def _build_smollm2(spec: ZooModel, out: Path) -> None:
-    from .repro_script import Unusable, build_smollm2
+    from .portable.base import Unusable
+    from .portable.recipes import build_smollm2
 
     _log("converting SmolLM2's GGUF (dequantized) to a Hugging Face directory ...")
     try:
@@ -212,7 +213,8 @@ def unavailable(model: str) -> str | None:
     spec = ZOO.get(model)
     if spec is None or not spec.real_weights or (zoo_dir(model) / "harness-model.json").exists():
         return None
-    from .repro_script import Unusable, smollm2_gguf_path
+    from .portable.base import Unusable
+    from .portable.recipes import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -421,7 +423,7 @@ def sized_model_dir(target_bytes: int, dtype: str) -> Path:
     def build(tmp: Path) -> None:
         import transformers
 
-        from .repro_script import build_tokenizer  # the zoo's tokenizer, from its recipe
+        from .portable.recipes import build_tokenizer  # the zoo's tokenizer, from its recipe
 
         build_tokenizer(dict(TOKENIZER_RECIPE), tmp)
         cfg = transformers.LlamaConfig(**config)

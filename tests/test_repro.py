@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from harness import cli, repro_emit
-from harness import repro_script as script
 
 if importlib.util.find_spec("vllm") is None:  # asked without importing vLLM here
     pytest.skip("needs vLLM installed", allow_module_level=True)
@@ -27,7 +26,16 @@ def _emit(tmp_path: Path, name: str, *argv: str) -> Path:
     return path
 
 
+def _load(path: Path):
+    """Import an emitted script as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(f"emitted_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_the_shm_plugin_registers_the_engine_in_a_vllm_process(tmp_path):
+    script = _load(_emit(tmp_path, "repro_plugin.py"))
     d = script.write_shm_plugin(tmp_path / "plugin", repro_emit.SHM_ENGINE)
     eps = [ep for dist in importlib.metadata.distributions(path=[str(d)])
            for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
@@ -54,7 +62,7 @@ def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
     from harness import vllm_api
 
     probe = vllm_api.probe(isolated=True)
-    code = ("import harness.repro_script as s\n"
+    code = ("import harness.portable.trainer_api as s\n"
             "for e in ('nccl', 'ipc'):\n"
             "    try: print(e, s.trainer_api(e))\n"
             "    except s.Unusable as x: print(e, 'unusable', x)\n")

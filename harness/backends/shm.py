@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.repro_script import buckets  # one bucketing for the harness and the script
+from harness.portable.bucketing import buckets  # one bucketing for the harness and the script
 
 BACKEND_NAME = "shm"
 ENGINE_CLASS = "ShmWeightTransferEngine"
@@ -99,10 +99,11 @@ class ShmSendStats:
 
 
 def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
-                 bucket_bytes: int | None = None, init: bool = True,
-                 reprocess_tied: bool = False, bucket_delay_s: float = 0.0,
+                 bucket_bytes: int | None = None, bucket_delay_s: float = 0.0,
                  weight_version: str | None = None) -> ShmSendStats:
-    """Push ``weights`` through the HTTP control plane with files under ``root``.
+    """Push ``weights`` through the HTTP control plane with files under ``root``, in
+    one update (``/start_weight_update`` ... ``/finish_weight_update``) of a group the
+    caller opened (``/init_weight_transfer_engine``, ``Sender.init``).
 
     ``client`` has the four methods of vLLM's ``VLLMWeightSyncClient`` protocol.
     ``bucket_bytes=None`` sends one file ("packed" into a single bucket); a number
@@ -119,11 +120,6 @@ def send_weights(client, weights: Iterable[tuple[str, Any]], *, root: Path,
     from harness.facts import update_info
 
     root.mkdir(parents=True, exist_ok=True)
-    if init:
-        info: dict[str, Any] = {"root": str(root)}
-        if reprocess_tied:  # workaround, opt-in and named: see shm_engine.py
-            info["reprocess_tied"] = True
-        client.init_weight_transfer_engine(info)
     stats = ShmSendStats()
     client.start_weight_update()
     for i, bucket in enumerate(buckets(weights, bucket_bytes)):
@@ -182,8 +178,7 @@ class Sender:
         from harness.backends import SendResult
 
         stats = send_weights(self.client, weights, root=self.root,
-                             bucket_bytes=self.bucket_bytes, init=False,
-                             bucket_delay_s=self.bucket_delay_s,
+                             bucket_bytes=self.bucket_bytes, bucket_delay_s=self.bucket_delay_s,
                              weight_version=self.weight_version)
         return SendResult(tensors=stats.tensors, bytes=stats.bytes, chunks=stats.buckets,
                           api_path=self.api_path, update_calls=stats.buckets,

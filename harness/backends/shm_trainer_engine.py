@@ -88,7 +88,7 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 pass
             return
         self.last = shm.send_weights(self.client, iter(self.source), root=self.root,
-                                     bucket_bytes=self.bucket_bytes, init=False)
+                                     bucket_bytes=self.bucket_bytes)
 
     def shutdown(self) -> None:
         if self.owns_root:

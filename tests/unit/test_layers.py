@@ -1,6 +1,7 @@
 """The architecture holds: every module imports on its own, nothing imports the pytest
-plugin, the front ends (plugin, CLI commands) never import each other, and the engine
-never imports pytest."""
+plugin, the front ends (plugin, CLI commands, the standalone repro script) never import
+each other, the engine never imports pytest, and every module imports only from its
+own floor or the floors below it (the README's "Layout of the code")."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "harness"
 MODULES = sorted("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
                  for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
 FRONT_ENDS = {"harness.plugin", "harness.report", "harness.known_issues", "harness.demo",
-              "harness.repro", "harness.diff", "harness.bench", "harness.cli"}
+              "harness.repro", "harness.diff", "harness.bench", "harness.cli",
+              "harness.repro_script"}
 ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", "harness.flow",
           "harness.trainer", "harness.server", "harness.client", "harness.layouts",
           "harness.models", "harness.reference", "harness.parity", "harness.vllm_api"}
@@ -67,3 +69,91 @@ def test_the_engine_knows_nothing_of_pytest_or_the_front_ends():
         imported = _imports(m)
         assert "pytest" not in imported, m
         assert not imported & FRONT_ENDS, (m, imported & FRONT_ENDS)
+
+
+# ----------------------------------------------------------------------------- floors
+# Lowest first. A module imports only from its own floor or a lower one. ``portable`` is
+# below everything: it imports nothing of the harness outside itself, because the
+# emitted repro scripts carry its modules. A name ending in "." stands for the modules
+# of that package; ``harness.backends`` itself is the backend variants as data, a fact,
+# its modules are parts.
+FLOORS = [
+    ("portable", {"harness.portable", "harness.portable."}),
+    ("facts", {"harness.facts", "harness.server", "harness.client", "harness.layouts",
+               "harness.models", "harness.vllm_api", "harness.settings", "harness.reaper",
+               "harness.text", "harness.probe_cache", "harness.plan", "harness.backends"}),
+    ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
+               "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
+               "harness.frontends"}),
+    ("engine", {"harness.cases", "harness.pool", "harness.trainer", "harness.trainer_child",
+                "harness.flow"}),
+    ("faces", {"harness.plugin", "harness.report", "harness.known_issues", "harness.cli",
+               "harness.demo", "harness.repro", "harness.repro_emit", "harness.repro_script",
+               "harness.diff", "harness.matrix", "harness.bench", "harness.benchfile",
+               "harness.rawlimit"}),
+]
+ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
+               .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
+ALL_MODULES.pop("harness")  # the empty top package
+
+
+def floor_of(module: str) -> int | None:
+    """The index of ``module``'s floor: where it is named, or where its package's
+    modules are ("harness.pause." holds ``harness.pause.driver``)."""
+    for i, (_, names) in enumerate(FLOORS):
+        if module in names or module.rsplit(".", 1)[0] + "." in names:
+            return i
+    return None
+
+
+def harness_imports(module: str) -> set[str]:
+    """The harness modules ``module`` imports, anywhere in it (inside functions too)."""
+    path = ALL_MODULES[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] if node.level else [])
+            mod = ".".join(x for x in (base, node.module or "") if x)
+            names = {mod} | {f"{mod}.{a.name}" for a in node.names}
+        else:
+            continue
+        found |= {n for n in names if n in ALL_MODULES and n != module}
+    return found
+
+
+def test_every_module_has_a_floor():
+    assert [m for m in sorted(ALL_MODULES) if floor_of(m) is None] == []
+
+
+def upward_imports() -> list[str]:
+    bad = []
+    for m in sorted(ALL_MODULES):
+        for other in sorted(harness_imports(m)):
+            if floor_of(other) > floor_of(m):
+                bad.append(f"{m} ({FLOORS[floor_of(m)][0]}) imports {other} "
+                           f"({FLOORS[floor_of(other)][0]})")
+    return bad
+
+
+def test_modules_import_only_from_their_floor_or_below():
+    assert upward_imports() == []
+
+
+def test_the_portable_core_imports_nothing_else_of_the_harness():
+    for m in ALL_MODULES:
+        if floor_of(m) == 0:
+            assert {o for o in harness_imports(m) if floor_of(o) != 0} == set(), m
+
+
+def test_an_upward_import_is_caught(monkeypatch):
+    """The rule sees imports inside functions and relative ones: a portable module
+    that reached for the facts would be reported."""
+    original = harness_imports
+    monkeypatch.setitem(globals(), "harness_imports",
+                        lambda m: original(m) | ({"harness.facts"}
+                                                 if m == "harness.portable.recipes" else set()))
+    assert upward_imports() == ["harness.portable.recipes (portable) imports harness.facts "
+                                "(facts)"]

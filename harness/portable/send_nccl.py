@@ -1,0 +1,82 @@
+"""The trainer's NCCL send: rank 0 of a group whose other ranks are the server's
+workers, through vLLM's trainer API for the installed release."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from harness.portable.base import Unusable, free_port, say
+from harness.portable.steps import Step
+from harness.portable.trainer_api import _wt, engine_module, trainer_api, weight_source
+
+
+def setup_nccl(sc: dict[str, Any], workdir: Path) -> list[Path]:
+    """Before the server starts: fail here, named, rather than halfway through a sync."""
+    say(f"      vLLM's trainer API for nccl: {trainer_api('nccl')}")
+    return []
+
+
+def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
+              timeout: float) -> str:
+    """The trainer is rank 0 of an NCCL group whose other ranks are the server's workers.
+    /init_weight_transfer_engine returns once every rank has joined, /update_weights once
+    the broadcast it announces has arrived: each is in flight while the trainer does its
+    part."""
+    import torch
+
+    device, packed = sc["trainer_device"], sc["packed"]
+    api = trainer_api("nccl")
+    mod = engine_module("nccl")
+    rendezvous = {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"),
+                  "world_size": client.world_size() + 1}
+    say(f"      NCCL group: trainer rank 0 on {device}, world size "
+        f"{rendezvous['world_size']}, rendezvous 127.0.0.1:{rendezvous['master_port']}")
+    if api == "factory":
+        factory = _wt("factory").WeightTransferTrainerFactory
+        info = mod.NCCLTrainerInitInfo(rank=0, packed=packed, **rendezvous)
+        source = weight_source(weights)
+        trainer = Step("WeightTransferTrainerFactory.trainer_init (with "
+                       "/init_weight_transfer_engine)",
+                       lambda: factory.trainer_init(info, client=client, source=source),
+                       device).result(timeout)
+        Step("send_weights (/start_weight_update, /update_weights beside the broadcast, "
+             "/finish_weight_update)", trainer.send_weights, device).result(timeout)
+        return "WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo) + send_weights"
+
+    engine = mod.NCCLWeightTransferEngine
+    open_group = getattr(engine, "trainer_init", None) or _wt("nccl_common").trainer_init
+    http = Step("/init_weight_transfer_engine", lambda: client.init_weight_transfer_engine(
+        {**rendezvous, "rank_offset": 1}))
+    group = Step("NCCLWeightTransferEngine.trainer_init (NCCL rendezvous as rank 0)",
+                 lambda: open_group(dict(rendezvous)), device).result(timeout, (http,))
+    http.result(timeout)
+
+    fields = {f.name for f in dataclasses.fields(mod.NCCLWeightTransferUpdateInfo)}
+    update_info = {"names": [n for n, _ in weights],
+                   "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+                   "shapes": [list(t.shape) for _, t in weights]}
+    if "packed" in fields:  # 0.26: packed rides each update
+        update_info["packed"] = packed
+    elif packed:
+        raise Unusable("packed requested, but this vLLM's NCCLWeightTransferUpdateInfo has no "
+                       f"'packed' field (fields: {sorted(fields)})")
+    # NCCL reads numel elements from data_ptr(): broadcast contiguous memory only.
+    args = {"group": group, "src": 0, "packed": packed,
+            "post_iter_func": lambda item: item[1].contiguous()}
+    args_cls = getattr(mod, "NCCLTrainerSendWeightsArgs", None)
+
+    def broadcast() -> None:
+        engine.trainer_send_weights(iter(weights), args_cls(**args) if args_cls else args)
+        if device.startswith("cuda"):  # enqueued is not sent: wait before the tensors change
+            torch.cuda.current_stream().synchronize()
+
+    client.start_weight_update()
+    http = Step("/update_weights", lambda: client.update_weights(update_info))
+    Step("NCCLWeightTransferEngine.trainer_send_weights (broadcast)", broadcast,
+         device).result(timeout, (http,))
+    http.result(timeout)
+    client.finish_weight_update()
+    return ("NCCLWeightTransferEngine.trainer_init + trainer_send_weights, routes called by "
+            "this script")

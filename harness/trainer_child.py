@@ -1,0 +1,536 @@
+"""The trainer's child process: ``python -m harness.trainer_child SPEC_JSON FD``.
+
+``harness.trainer.Trainer`` starts it and sends it one command per line on its stdin
+(``prepare``, ``sync``, ``describe``, ``exit``); each result goes back as one JSON line
+on the pipe ``FD``. The child holds the weights on its device and, for the harness's
+trainer code, the sender of its engine over a client that is timed per route and can
+lie (``LyingClient``) or hold; for vLLM's own trainer code (``spec.code == "vllm"``) a
+live Hugging Face module and ``harness.backends.vllm_code.SeedTrainer``. The deliberate
+damage of the tensors (``corrupt_weights``) and of their update info (``lie_about``)
+is applied here. Only this process imports torch and vLLM's trainer API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from harness.facts import torch_dtype_name
+from harness.portable import corrupt as _portable_corrupt
+from harness.trainer import (API_KEY_ENV, DROP_ENV, FAKE_GPU_UUID, LIES, RECOVERS_IN_PLACE,
+                             VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS, TrainerSpec)
+
+
+# ----------------------------------------------------------------------------- corruptions
+
+def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: str | None = None
+                    ) -> tuple[list[tuple[str, Any]], str]:
+    """Return (weights, description). Deliberate damage for the self-tests (the
+    emitted repro script's own function, so a repro damages exactly what a test did),
+    plus the fault tests' ``narrow``; the input list and its tensors are left unchanged."""
+    if kind == "row":
+        return _bump_last_embedding_row(weights, target)
+    if kind != "narrow":
+        return _portable_corrupt.corrupt_weights(weights, kind, target)
+    names = [n for n, _ in weights]
+    if target is not None and target not in names:
+        raise ValueError(f"corruption target {target!r} is not a tensor of the model")
+    mats = [n for n, t in weights if t.ndim == 2 and "embed" not in n and "wte" not in n]
+    pick = target or (mats[len(mats) // 2] if mats else names[len(names) // 2])
+    t = dict(weights)[pick]  # a shape the model does not have; the update info agrees
+    if t.ndim != 2 or t.shape[1] < 2:
+        raise ValueError(f"cannot narrow {pick} of shape {list(t.shape)}")
+    return ([(n, t[:, :-1].contiguous() if n == pick else x) for n, x in weights],
+            f"sent {pick} as {[t.shape[0], t.shape[1] - 1]} (the model's is {list(t.shape)})")
+
+
+def _bump_last_embedding_row(weights: list[tuple[str, Any]], target: str | None
+                             ) -> tuple[list[tuple[str, Any]], str]:
+    names = [n for n, _ in weights]
+    embeds = [n for n, t in weights if t.ndim == 2 and ("embed_tokens" in n or "wte" in n)]
+    pick = target or (embeds[0] if embeds else None)
+    if pick is None or pick not in names:
+        raise ValueError(f"corruption 'row': no input embedding among {names[:4]}...")
+    t = dict(weights)[pick].clone()
+    t[-1] += 1.0
+    return ([(n, t if n == pick else x) for n, x in weights],
+            f"added 1.0 to row {t.shape[0] - 1} of {pick} (the last token id)")
+
+
+# ----------------------------------------------------------------------------- lies
+
+def lie_about(update_info: dict, lie: str) -> tuple[dict, str]:
+    """A copy of ``update_info`` that disagrees with the tensors it describes."""
+    if lie not in LIES:
+        raise ValueError(f"unknown lie {lie!r}; known: {', '.join(LIES)}")
+    info = dict(update_info)
+    names, shapes = list(info.get("names") or []), [list(x) for x in info.get("shapes") or []]
+    if lie != "gpu" and not names:
+        return info, "nothing to lie about (no tensor in this update)"
+    if lie == "names":
+        info["names"] = ["model.no_such_module.weight"] + names[1:]
+        return info, f"announced {names[0]} as model.no_such_module.weight"
+    if lie == "shapes":
+        shapes[0] = [shapes[0][0] + 1] + shapes[0][1:] if shapes[0] else [2]
+        info["shapes"] = shapes
+        return info, f"announced {names[0]} with shape {shapes[0]}"
+    if lie == "dtypes":
+        dtypes = list(info["dtype_names"])
+        dtypes[0] = "bfloat16" if dtypes[0] != "bfloat16" else "float32"
+        info["dtype_names"] = dtypes
+        return info, f"announced {names[0]} as {dtypes[0]}"
+    if lie == "count":
+        info["shapes"] = shapes[:-1]
+        return info, f"{len(names)} names, {len(shapes) - 1} shapes"
+    # gpu: every IPC handle keyed by a GPU that does not exist
+    import base64
+    import pickle
+
+    def rekey(h):
+        return [rekey(x) for x in h] if isinstance(h, list) else \
+            {FAKE_GPU_UUID: v for v in h.values()} if isinstance(h, dict) else h
+
+    if info.get("ipc_handles_pickled"):
+        handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(rekey(handles))).decode()
+    elif info.get("ipc_handles") is not None:
+        info["ipc_handles"] = rekey(info["ipc_handles"])
+    else:
+        return info, "no IPC handles to re-key (not an IPC update)"
+    return info, f"IPC handles keyed by {FAKE_GPU_UUID}"
+
+
+class LyingClient:
+    """The trainer's client with ``lie`` applied to every ``/update_weights``; the
+    other calls pass through. ``told`` lists what was said."""
+
+    def __init__(self, client, lie: str):
+        self._client, self.lie, self.told = client, lie, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def update_weights(self, update_info):
+        if isinstance(update_info, list):  # one entry per data-parallel rank
+            out = [lie_about(u, self.lie) for u in update_info]
+            self.told.append(out[0][1])
+            return self._client.update_weights([u for u, _ in out])
+        info, what = lie_about(update_info, self.lie)
+        self.told.append(what)
+        return self._client.update_weights(info)
+
+
+# ----------------------------------------------------------------------------- child
+
+class _Weights:
+    """The trainer's models, loaded on its device, the last two kept: a test that
+    switches between two weight sets does not reload either."""
+
+    def __init__(self, dtype: str, device: str):
+        self.dtype, self.device = dtype, device
+        self.cache: dict[str, list] = {}
+
+    def get(self, weights_dir: str) -> list[tuple[str, Any]]:
+        if weights_dir not in self.cache:
+            from harness import models
+
+            if models.is_weightless(weights_dir):  # harness bench: sizes, not values
+                self.cache[weights_dir] = models.random_weights(weights_dir, self.dtype,
+                                                                self.device)
+            else:
+                from harness.reference import load_hf_model
+
+                model = load_hf_model(weights_dir, self.dtype, self.device)
+                self.cache[weights_dir] = [(n, p.detach()) for n, p in model.named_parameters()]
+            while len(self.cache) > 2:
+                self.cache.pop(next(iter(self.cache)))
+        return self.cache[weights_dir]
+
+
+class _VllmCode:
+    """The child's state when ``spec.code == "vllm"``: the trainer code vLLM's examples
+    teach (``harness.backends.vllm_code.SeedTrainer``: vLLM's HTTPVLLMWeightSyncClient,
+    its trainer API for this release) over one live Hugging Face module, held for the
+    trainer's whole life as an RL trainer holds its model. The ``ModuleSource`` over it
+    is built when the group opens; a sync of other weights loads them into the same
+    parameters in place (what an optimizer step does to them), and the next
+    ``send_weights()`` sends the new values."""
+
+    def __init__(self, spec: TrainerSpec, options: dict):
+        self.spec, self.options = spec, options
+        self.module: Any = None
+        self.holds: str | None = None
+        self.trainer: Any = None
+        self.source: Any = None  # the examples' ModuleSource(model), built at init
+
+    def load(self, weights_dir: str) -> None:
+        from harness import models
+        from harness.reference import load_hf_model
+
+        if self.holds == weights_dir:
+            return
+        if models.is_weightless(weights_dir):
+            raise ValueError("the vllm trainer code sends a live Hugging Face module; "
+                             f"{weights_dir} has no weights")
+        new = load_hf_model(weights_dir, self.spec.dtype, self.spec.device)
+        if self.module is None:
+            self.module = new
+        else:  # in place: the source and the engine keep pointing at the same tensors
+            import torch
+
+            mine, theirs = dict(self.module.named_parameters()), dict(new.named_parameters())
+            if list(mine) != list(theirs) or any(mine[n].shape != theirs[n].shape for n in mine):
+                raise ValueError(f"{weights_dir} is not the architecture the trainer holds")
+            with torch.no_grad():
+                for n, p in mine.items():
+                    p.copy_(theirs[n])
+            del new
+        self.holds = weights_dir
+
+    def _drop(self, corrupt: str | None, target: str | None) -> tuple[str | None, str]:
+        how = "sync"
+        if corrupt is None and os.environ.get(DROP_ENV):
+            corrupt, how = "drop", f"{DROP_ENV}={os.environ[DROP_ENV]}"
+            target = None if os.environ[DROP_ENV] == "auto" else os.environ[DROP_ENV]
+        if corrupt is None:
+            return None, "none"
+        if corrupt not in VLLM_CODE_CORRUPTIONS:
+            from harness.backends.vllm_code import Unavailable
+
+            raise Unavailable(f"the vllm trainer code sends a ModuleSource over its live module;"
+                              f" of the corruptions it takes only "
+                              f"{', '.join(VLLM_CODE_CORRUPTIONS)} (a source that leaves a "
+                              f"parameter out), not {corrupt!r}")
+        named = [(n, p) for n, p in self.module.named_parameters()]
+        _, what = corrupt_weights(named, "drop", target)  # the harness path's own pick
+        name = what.removeprefix("dropped ")
+        return name, (f"left {name} out of the ModuleSource"
+                      + ("" if how == "sync" else f" (deliberate break: {how})"))
+
+    def command(self, cmd: dict) -> dict[str, Any]:
+        from harness.backends import vllm_code
+
+        if cmd["op"] == "describe":
+            return self.describe(cmd["weights_dir"])
+        result: dict[str, Any] = {}
+        if cmd.get("lie"):
+            raise vllm_code.Unavailable("the vllm trainer code posts through vLLM's own client: "
+                                        "it cannot be made to lie about its tensors (lie is the "
+                                        "harness path's)")
+        other = sorted(set(self.options) - set(VLLM_CODE_OPTIONS))
+        if other:
+            raise vllm_code.Unavailable(f"the vllm trainer code has no option {', '.join(other)} "
+                                        "(the harness path's)")
+        t1 = time.monotonic()
+        self.load(cmd["weights_dir"])
+        result["load_seconds"] = time.monotonic() - t1
+        if self.trainer is None:
+            t1 = time.monotonic()
+            self.trainer = vllm_code.SeedTrainer(
+                self.spec.url, engine=self.spec.engine, packed=self.spec.packed,
+                device=self.spec.device, timeout=self.spec.timeout, options=self.options,
+                api_key=os.environ.get(API_KEY_ENV) or None)
+            result["sender_seconds"] = time.monotonic() - t1
+        if cmd["op"] == "prepare":
+            return result
+        drop, what = self._drop(cmd.get("corrupt"), cmd.get("corrupt_target"))
+        wrap = self.options.get("wrap")
+        if drop and wrap:
+            raise ValueError("drop and wrap together are not offered")
+        if self.source is None:
+            t1 = time.monotonic()
+            self.source = vllm_code.module_source(self.module)
+            self.trainer.init(self.source)
+            result["init_seconds"] = time.monotonic() - t1
+        source = self.source
+        if drop or wrap:
+            source = vllm_code.module_source(self.module, drop=drop, wrap=wrap)
+            if wrap:
+                what = (f"ModuleSource over the module wrapped by {wrap} (names prefixed "
+                        f"{vllm_code.WRAP_PREFIX[wrap]!r})")
+        result["corruption"] = what
+        peak = _CudaPeak(self.spec.device)
+        result.update(self.trainer.send(source))
+        result["sync_seconds"] = result["send_seconds"]
+        result.update(peak.facts())
+        result["http_spans"] = []  # vLLM's client is not wrapped: no per-route times
+        return result
+
+    def describe(self, weights_dir: str) -> dict[str, Any]:
+        """What ModuleSource over the live module sends, what the harness path sends for
+        the same directory (its own loader), what the checkpoint holds, what a wrapped
+        module's source would announce. Calls no route."""
+        from harness.backends import vllm_code
+        from harness.reference import load_hf_model
+
+        module = load_hf_model(weights_dir, self.spec.dtype, self.spec.device)
+        source = vllm_code.module_source(module)
+        harness_list = _Weights(self.spec.dtype, self.spec.device).get(weights_dir)
+        checkpoint: dict[str, list[int]] = {}
+        from safetensors import safe_open
+
+        for f in sorted(Path(weights_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    checkpoint[k] = list(st.get_slice(k).get_shape())
+        wraps = {}
+        for w in vllm_code.WRAPS:
+            names = [n for n, _, _ in vllm_code.sent(vllm_code.module_source(module, wrap=w))]
+            wraps[w] = {"count": len(names), "first": names[:2]}
+        return {"module_source": vllm_code.sent(source),
+                "harness": [(n, torch_dtype_name(t), list(t.shape)) for n, t in harness_list],
+                "checkpoint": checkpoint, "wraps": wraps, **vllm_code.describe(module)}
+
+    @property
+    def has_group(self) -> bool:
+        return self.trainer is not None
+
+    def close_group(self) -> None:
+        """After a failed sync: the next one opens a new group (trainer_init again)."""
+        try:
+            if self.trainer is not None:
+                self.trainer.close()
+        finally:
+            self.trainer = self.source = None
+
+    def close(self) -> None:
+        self.close_group()
+
+
+class _TimedClient:
+    """The sender's client with the time of every control-plane call recorded:
+    ``(route, start, end)`` in ``time.monotonic()`` seconds, which is one clock for
+    every process of the host. vLLM's trainer engines call some routes from threads of
+    their own; appending to a list is atomic."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.spans: list[tuple[str, float, float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _timed(self, route: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.spans.append((route, t0, time.monotonic()))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._timed("/init_weight_transfer_engine", self._client.init_weight_transfer_engine,
+                    init_info)
+
+    def start_weight_update(self) -> None:
+        self._timed("/start_weight_update", self._client.start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        self._timed("/update_weights", self._client.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        args = () if weight_version is None else (weight_version,)
+        self._timed("/finish_weight_update", self._client.finish_weight_update, *args)
+
+
+class _CudaPeak:
+    """The trainer's extra CUDA memory during one update: peak allocated (and reserved)
+    above what was allocated when it was made, and what the update kept. Nothing on a
+    CPU trainer."""
+
+    def __init__(self, device: str):
+        self.device = device if device.startswith("cuda") else None
+        if self.device:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.allocated = torch.cuda.memory_allocated(self.device)
+            self.reserved = torch.cuda.memory_reserved(self.device)
+
+    def facts(self) -> dict[str, int]:
+        if not self.device:
+            return {}
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return {"trainer_peak_extra_bytes":
+                torch.cuda.max_memory_allocated(self.device) - self.allocated,
+                "trainer_peak_reserved_extra_bytes":
+                torch.cuda.max_memory_reserved(self.device) - self.reserved,
+                "trainer_retained_bytes": torch.cuda.memory_allocated(self.device) - self.allocated}
+
+
+class _HarnessCode:
+    """The child's state when ``spec.code == "harness"``: the harness's sender for the
+    engine (``harness.backends``) over its own HTTP client, timed per route, able to lie
+    and to hold; the weights are lists of tensors (``_Weights``), damaged on request."""
+
+    def __init__(self, spec: TrainerSpec, options: dict):
+        self.spec, self.options = spec, options
+        self.sender: Any = None
+        self.client: _TimedClient | None = None
+        self.switch: _SwitchableClient | None = None  # below the timing: lies, holds
+        self.opened = False  # the group: opened by the first sync, not by prepare
+        self.weights: _Weights | None = None
+
+    @property
+    def has_group(self) -> bool:
+        return self.sender is not None
+
+    def command(self, cmd: dict) -> dict[str, Any]:
+        from harness.backends import sender_class
+        from harness.client import ServerClient
+
+        spec, options = self.spec, self.options
+        if cmd["op"] == "describe":
+            raise ValueError("describe is an op of the vllm trainer code")
+        result: dict[str, Any] = {}
+        if self.weights is None:
+            self.weights = _Weights(spec.dtype, spec.device)
+        t1 = time.monotonic()
+        named, what = corrupt_weights(self.weights.get(cmd["weights_dir"]), cmd.get("corrupt"),
+                                      cmd.get("corrupt_target"))
+        if options.get("wrap"):  # the names a wrapped module's named_parameters() gives
+            from harness.backends.vllm_code import WRAP_PREFIX
+
+            prefix = WRAP_PREFIX[options["wrap"]]
+            named = [(prefix + n, t) for n, t in named]
+            what = f"names prefixed {prefix!r} (a module wrapped by {options['wrap']})"
+        result.update(corruption=what, load_seconds=time.monotonic() - t1)
+        if self.sender is None:
+            # building the sender imports vLLM's trainer API and calls no route
+            t1 = time.monotonic()
+            self.switch = _SwitchableClient(
+                ServerClient(spec.url, timeout=spec.timeout,
+                             api_key=os.environ.get(API_KEY_ENV) or None),
+                hold_after_start_s=float(options.get("hold_after_start_s") or 0))
+            self.client = _TimedClient(self.switch)
+            self.sender = sender_class(spec.engine)(self.client, packed=spec.packed,
+                                                    options=options)
+            result["sender_seconds"] = time.monotonic() - t1
+        if cmd["op"] == "prepare":  # everything but the group and the update
+            return result
+        self.client.spans = []
+        if not self.opened:
+            t1 = time.monotonic()
+            self.sender.init()
+            self.opened = True
+            result["init_seconds"] = time.monotonic() - t1
+        peak = _CudaPeak(spec.device)
+        t1 = time.monotonic()
+        if cmd.get("lie") and hasattr(self.sender, "repeat_metadata"):
+            self.sender.repeat_metadata()  # elided metadata cannot lie (vLLM 0.33)
+        liar = self.switch.lie(cmd.get("lie"))
+        try:
+            result.update(self.sender.send(named).as_dict())
+        finally:
+            self.switch.lie(None)
+            if liar is not None:
+                result["lie"] = "; ".join(dict.fromkeys(liar.told)) or "nothing sent"
+        result["sync_seconds"] = time.monotonic() - t1
+        result.update(peak.facts())
+        result["http_spans"] = [(r, a - t1, b - t1) for r, a, b in self.client.spans]
+        return result
+
+    def close_group(self) -> None:
+        try:
+            if self.sender is not None:
+                self.sender.close()
+        finally:
+            self.sender, self.opened = None, False
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+def _child_main(spec_json: str, result_fd: int) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    out = os.fdopen(result_fd, "w", buffering=1)
+    spec = TrainerSpec(**{**json.loads(spec_json)})
+    options = dict(spec.options)
+    code = (_VllmCode if spec.code == "vllm" else _HarnessCode)(spec, options)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "exit":
+                break
+            result: dict[str, Any] = {"ok": False}
+            t0 = time.monotonic()
+            try:
+                import torch
+
+                if spec.device.startswith("cuda"):
+                    torch.cuda.set_device(torch.device(spec.device))
+                result.update(code.command(cmd))
+                result["ok"] = True
+            except BaseException as e:  # report everything, KeyboardInterrupt included
+                result["error"] = f"{type(e).__name__}: {e}"
+                result["traceback"] = traceback.format_exc()
+                result["unavailable"] = bool(getattr(e, "unavailable", False))
+                # A sync that failed leaves its group in an unknown state. Where the
+                # group is only the trainer's own (IPC handles, shm buckets), closing it
+                # is enough: the next sync opens a new one in this same process, which
+                # keeps its imports, CUDA context and weights. An NCCL group may be
+                # wedged in a collective, and a failure outside a sync is not ours to
+                # judge: this trainer is done.
+                if result["unavailable"]:  # refused before anything was sent: nothing to undo
+                    result["alive"] = True
+                elif (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
+                        and options.get("recover_in_place", True)
+                        and isinstance(e, Exception) and code.has_group):
+                    try:
+                        code.close_group()
+                        result["alive"] = True
+                    except Exception as close_error:
+                        result["error"] += f" (closing its group failed too: {close_error})"
+            result["seconds"] = time.monotonic() - t0
+            out.write(json.dumps(result, default=str) + "\n")
+            if not result["ok"] and not result.get("alive"):
+                return 1
+    finally:
+        code.close()
+    return 0
+
+
+class _SwitchableClient:
+    """The sender's client for the trainer's whole life; ``lie(kind)`` routes the next
+    updates through a ``LyingClient`` (``lie(None)`` stops lying). Senders keep the
+    client they were built with, so the switch is made here, below them.
+    ``hold_after_start_s`` (option): wait that long once /start_weight_update answered,
+    with the update open (fault tests kill the trainer there)."""
+
+    def __init__(self, client, hold_after_start_s: float = 0.0):
+        self._honest = self._current = client
+        self.hold_after_start_s = hold_after_start_s
+
+    def lie(self, kind: str | None) -> LyingClient | None:
+        self._current = self._honest if kind is None else LyingClient(self._honest, kind)
+        return None if kind is None else self._current
+
+    def hold_after_start(self, seconds: float) -> None:
+        """From now on wait ``seconds`` after each /start_weight_update."""
+        self.hold_after_start_s = seconds
+
+    def start_weight_update(self, *args, **kwargs):
+        out = self._current.start_weight_update(*args, **kwargs)
+        if self.hold_after_start_s:
+            print(f"trainer: /start_weight_update acknowledged, holding "
+                  f"{self.hold_after_start_s}s", flush=True)
+            time.sleep(self.hold_after_start_s)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._current, name)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1], int(sys.argv[2])))
