@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .facts import run_command
+from .sync import paused_sync
 from .benchfile import (GB, MIB, PHASES, BenchFileError, limit_at, new_document, rate,
                         summarize_case, sync_record, write_json)
 from .benchfile import load as load_file
@@ -723,19 +724,21 @@ class BenchRun:
     def _syncs(self, rec: dict, trainer, client, mem: ServerMemory, weights: Path) -> None:
         label = f"{rec['backend']} {rec['size_gb']:g} GB"
         for i in range(1 + self.plan.warm):
+            memory: dict = {}
+
+            def push() -> dict:
+                try:
+                    return trainer.sync(str(weights), timeout=self.args.vllm_sync_timeout)
+                finally:
+                    memory.update(mem.stop())
+
             mem.start()
-            t0 = time.monotonic()
-            client.pause()
-            t1 = time.monotonic()
-            try:
-                result = trainer.sync(str(weights), timeout=self.args.vllm_sync_timeout)
-            finally:
-                t2 = time.monotonic()
-                memory = mem.stop()
-                client.resume()
-                t3 = time.monotonic()
-            r = sync_record(result, pause_seconds=t1 - t0, resume_seconds=t3 - t2,
-                            pause_to_resume_seconds=t3 - t0, server_memory=memory)
+            run = paused_sync(client, push)
+            result, t = run.result, run.timings
+            r = sync_record(result, pause_seconds=t.pause_seconds,
+                            resume_seconds=t.resume_seconds,
+                            pause_to_resume_seconds=t.pause_to_resume_seconds,
+                            server_memory=memory)
             if i == 0:
                 rec["cold"] = r
                 for k in ("tensors", "bytes", "chunks", "api_path"):
