@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from . import models, parity
 from .cases import Case, server_config_for, twin_config
-from .client import ServerClient
+from .client import ControlPlaneError, ServerClient
 from .pool import ServerPool, State
 from .reference import Reference, hf_reference
 from .server import ServerConfig, VLLMServer
@@ -117,7 +117,7 @@ class SyncSession:
     def observe(self, ref: Reference, client: ServerClient | None = None, *,
                 phase: str = "observe") -> list[parity.Observation]:
         with self.phase(phase):
-            return parity.observe(client or self.client, ref)
+            return observe(client or self.client, ref)
 
     def compare(self, ref: Reference, client: ServerClient | None = None) -> parity.ParityReport:
         return parity.compare(self.observe(ref, client), ref, decode=self.decode)
@@ -254,6 +254,44 @@ def resolve_model_path(model: str) -> str:
     """A zoo model's directory (built on first use), or the path / hub id as given."""
     _, local = models.resolve_model(model)
     return str(local) if local else model
+
+
+# ----------------------------------------------------------------------------- observing
+# What a server answers, asked as the parity checks need it (harness.parity compares).
+
+@contextlib.contextmanager
+def _nonfinite_as_failure(prompt: str):
+    try:
+        yield
+    except ControlPlaneError as e:
+        if e.status != 400 or "Out of range float values" not in e.detail:
+            raise
+        raise parity.NonFiniteOutput(f"non-finite logprobs (NaN/inf) for prompt {prompt!r}: the server "
+                              f"refused to serialise them\n{e}") from None
+
+
+def observe(client, ref: Reference, *, top_k: int | None = None) -> list[parity.Observation]:
+    """Ask the server for the greedy continuation and the teacher-forced scores of
+    every reference prompt (prompts are sent as token ids: no tokenizer in between)."""
+    out = []
+    for pr in ref.prompts:
+        k = top_k or max((len(t) for t in pr.top_logprobs if t), default=5)
+        with _nonfinite_as_failure(pr.prompt):
+            c = client.complete(pr.prompt_ids, max_tokens=len(pr.greedy_ids))
+            out.append(parity.Observation(c.token_ids, client.prompt_logprobs(pr.sequence, top_k=k),
+                                   c.text))
+    return out
+
+
+def observe_generation(client, ref: Reference) -> list[tuple[list[int], list[float] | None]]:
+    """Greedy completions with the logprob of each generated token, for
+    ``compare_generation`` (these requests may be served from the prefix cache)."""
+    out = []
+    for pr in ref.prompts:
+        with _nonfinite_as_failure(pr.prompt):
+            c = client.complete(pr.prompt_ids, max_tokens=len(pr.greedy_ids), logprobs=0)
+        out.append((c.token_ids, c.logprobs))
+    return out
 
 
 # ----------------------------------------------------------------------------- the seed flow

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import parity
+from harness import flow, parity
 
 pytestmark = pytest.mark.parity
 
@@ -166,10 +166,10 @@ def test_repeated_syncs_last_one_wins(harness):
     for i, seed in enumerate(REPEAT_SEEDS):
         weights = s.perturbed(seed)
         ref, long_ref = s.reference(weights), long_reference(s, weights)
-        parity.observe_generation(s.client, long_ref)  # fills the prefix cache
+        flow.observe_generation(s.client, long_ref)  # fills the prefix cache
         s.sync(weights)
         report = s.compare(ref)
-        long_report = parity.compare_generation(parity.observe_generation(s.client, long_ref),
+        long_report = parity.compare_generation(flow.observe_generation(s.client, long_ref),
                                                 long_ref, decode=s.decode)
         rounds.append({"round": i, "seed": seed, "max_abs_dlogprob": report.max_abs,
                        "topk_max_abs_dlogprob": report.topk_max_abs,
@@ -204,7 +204,7 @@ def test_prefix_cache_after_sync(harness, request, clear_cache):
                     "test_repeated_syncs_last_one_wins")
     weights = s.perturbed(PREFIX_SEEDS[clear_cache])
     long_ref = long_reference(s, weights)
-    before = parity.compare_generation(parity.observe_generation(s.client, long_ref), long_ref)
+    before = parity.compare_generation(flow.observe_generation(s.client, long_ref), long_ref)
     assert not within_tolerance(before), (
         "precondition: the server already computes the new weights' logprobs before the "
         f"sync ({before.summary()}); a stale cache could not be seen")
@@ -213,7 +213,7 @@ def test_prefix_cache_after_sync(harness, request, clear_cache):
         s.sync(weights, pause=False)
     finally:
         s.client.resume()
-    after = parity.compare_generation(parity.observe_generation(s.client, long_ref), long_ref,
+    after = parity.compare_generation(flow.observe_generation(s.client, long_ref), long_ref,
                                       decode=s.decode)
     s.record(clear_cache=clear_cache, before_greedy_match=before.greedy_match_fraction,
              after_greedy_match=after.greedy_match_fraction,

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from harness import layouts, parity
+from harness import flow, layouts, parity
 from harness.backends import VARIANTS
 from harness.cases import Case, server_config_for
 from harness.reference import PromptReference, Reference
@@ -150,11 +150,11 @@ def test_nonfinite_server_output_is_a_parity_failure_other_400s_are_not():
     ref = _ref()
     nan = '{"error":{"message":"Out of range float values are not JSON compliant"}}'
     with pytest.raises(parity.NonFiniteOutput, match="non-finite logprobs .* prompt 'p'"):
-        parity.observe(_FakeClient(nan), ref)
+        flow.observe(_FakeClient(nan), ref)
     with pytest.raises(parity.NonFiniteOutput):
-        parity.observe_generation(_FakeClient(nan), ref)
+        flow.observe_generation(_FakeClient(nan), ref)
     with pytest.raises(ControlPlaneError, match="max_tokens"):
-        parity.observe(_FakeClient('{"error":{"message":"max_tokens too large"}}'), ref)
+        flow.observe(_FakeClient('{"error":{"message":"max_tokens too large"}}'), ref)
 
 
 class _FakeTrainer:
@@ -249,7 +249,6 @@ def test_a_failing_resume_does_not_replace_the_trainers_error_in_the_seed_flow(m
     raised is still the trainer's, and it says that /resume failed."""
     import sys
 
-    import harness.flow as flow
     from harness.client import ControlPlaneError
 
     s = _session(sync_error=RuntimeError("trainer: NCCL watchdog timeout"))
