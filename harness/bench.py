@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -128,16 +126,10 @@ def make_plan(backends: list[str], sizes_text: str | None, dtype: str, layout: s
 
 
 def host_header(plan: Plan, args: argparse.Namespace, gpus_visible: int) -> dict:
-    from . import layouts
-    from .facts import dist_version, installed_vllm
+    from . import environment, layouts
 
-    version, dist = installed_vllm()
     return {
-        "vllm": {"version": version, "dist": dist},
-        "torch": dist_version("torch"), "transformers": dist_version("transformers"),
-        "harness": dist_version("weight-sync-harness"),
-        "python": platform.python_version(), "platform": platform.platform(),
-        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        **environment.versions(), **environment.host(),
         "gpus": {"present": gpus_visible, "used": plan.gpus_needed,
                  "names": layouts.gpu_names()[:plan.gpus_needed]},
         "options": {"backends": [c.backend.id for c in plan.cases],
@@ -147,8 +139,7 @@ def host_header(plan: Plan, args: argparse.Namespace, gpus_visible: int) -> dict
                     "start_timeout": args.vllm_start_timeout,
                     "sync_timeout": args.vllm_sync_timeout},
         "argv": ["harness"] + sys.argv[1:],
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(("NCCL_", "CUDA_VISIBLE_DEVICES", "HARNESS_"))},
+        "env": environment.env_vars(("NCCL_", "CUDA_VISIBLE_DEVICES", "HARNESS_")),
         "start_time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "complete": False,
     }

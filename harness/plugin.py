@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from . import models
+from . import environment, models
 from . import plan as _plan
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
-from .facts import canonical_dtype, installed_vllm, dist_version
+from .facts import canonical_dtype
 from .flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable, start_seconds_by_mode
@@ -433,11 +433,8 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[str]:
     from .models import cache_root
 
-    version, dist = installed_vllm()
-    vllm = f"{version} ({dist})" if dist and dist != "vllm" else version
     return [
-        f"weight-sync-harness: vllm {vllm or 'NOT INSTALLED'}, torch {dist_version('torch')}, "
-        f"transformers {dist_version('transformers')}, GPUs {s.gpus()}",
+        f"weight-sync-harness: {environment.summary_line()}, GPUs {s.gpus()}",
         f"  models {list(s.vllm_model)}, dtypes {list(s.vllm_dtype)}, "
         f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}, "
         f"modes {list(s.vllm_mode)}",

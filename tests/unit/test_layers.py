@@ -21,7 +21,7 @@ FRONT_ENDS = {"harness.plugin", "harness.report", "harness.known_issues", "harne
 ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", "harness.flow",
           "harness.trainer", "harness.server", "harness.client", "harness.layouts",
           "harness.models", "harness.reference", "harness.parity", "harness.vllm_api",
-          "harness.sync", "harness.measure"}
+          "harness.sync", "harness.measure", "harness.environment"}
 
 
 def _imports(module: str) -> set[str]:
