@@ -342,7 +342,7 @@ def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
 
 
 @pytest.fixture
-def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool):
+def session(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool):
     """A ``SyncSession`` for this test's case: server, client, reference, sync()."""
     sess = _session(request, case, server_pool,
                     fresh=request.node.get_closest_marker("fresh_server") is not None)
@@ -355,6 +355,13 @@ def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool)
     died = sess.pool.mark_dead(sess.server_cfg, during=request.node.nodeid)
     if died:
         warnings.warn(died.splitlines()[0], stacklevel=2)
+
+
+@pytest.fixture
+def harness(session: SyncSession) -> SyncSession:
+    """Deprecated: the same ``SyncSession`` as ``session``, under the name it had
+    before, which inside a test hides the ``harness`` package. Use ``session``."""
+    return session
 
 
 @dataclasses.dataclass
