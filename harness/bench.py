@@ -35,6 +35,11 @@ table) or the run was interrupted (Ctrl-C, ``timeout --signal=INT``: the servers
 stopped, and the table and plot show what was measured), 2 bad input (one line on
 stderr: an unknown backend, a size that is not a positive number, GPU backends on a
 host without the GPUs they need...).
+
+Where it is: the plan and the command line here; the run in ``harness.bench_run``
+(each sync through ``harness.sync.paused_sync``); the server's GPU memory in
+``harness.measure``; the table and plot in ``harness.bench_view``; the file format in
+``harness.benchfile``.
 """
 
 from __future__ import annotations
