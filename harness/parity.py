@@ -19,11 +19,12 @@ Three comparisons share one report type (``ParityReport``) and one set of assert
   server vs a disk-loaded twin), every logprob of every row; meant for tolerance 0;
 - ``compare_generation``: logprobs of generated tokens (completions, which unlike
   prompt-logprob requests can be served from the prefix cache) vs the reference.
+
+Pure comparison: asking a server for the observations is ``harness.flow.observe``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Sequence
@@ -458,40 +459,3 @@ class NonFiniteOutput(AssertionError):
     """The server computed NaN/inf logprobs. vLLM cannot put them in JSON and answers
     HTTP 400 "Out of range float values are not JSON compliant", so no report exists:
     this is a parity failure, not a transport error."""
-
-
-@contextlib.contextmanager
-def _nonfinite_as_failure(prompt: str):
-    from .client import ControlPlaneError
-
-    try:
-        yield
-    except ControlPlaneError as e:
-        if e.status != 400 or "Out of range float values" not in e.detail:
-            raise
-        raise NonFiniteOutput(f"non-finite logprobs (NaN/inf) for prompt {prompt!r}: the server "
-                              f"refused to serialise them\n{e}") from None
-
-
-def observe(client, ref: Reference, *, top_k: int | None = None) -> list[Observation]:
-    """Ask the server for the greedy continuation and the teacher-forced scores of
-    every reference prompt (prompts are sent as token ids: no tokenizer in between)."""
-    out = []
-    for pr in ref.prompts:
-        k = top_k or max((len(t) for t in pr.top_logprobs if t), default=5)
-        with _nonfinite_as_failure(pr.prompt):
-            c = client.complete(pr.prompt_ids, max_tokens=len(pr.greedy_ids))
-            out.append(Observation(c.token_ids, client.prompt_logprobs(pr.sequence, top_k=k),
-                                   c.text))
-    return out
-
-
-def observe_generation(client, ref: Reference) -> list[tuple[list[int], list[float] | None]]:
-    """Greedy completions with the logprob of each generated token, for
-    ``compare_generation`` (these requests may be served from the prefix cache)."""
-    out = []
-    for pr in ref.prompts:
-        with _nonfinite_as_failure(pr.prompt):
-            c = client.complete(pr.prompt_ids, max_tokens=len(pr.greedy_ids), logprobs=0)
-        out.append((c.token_ids, c.logprobs))
-    return out

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from . import facts, models
+from . import environment, facts, models
 from . import plan as _plan
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
-from .facts import canonical_dtype, installed_vllm, dist_version
+from .facts import canonical_dtype
 from .flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable, start_seconds_by_mode
@@ -367,7 +367,7 @@ def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
 
 
 @pytest.fixture
-def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool):
+def session(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool):
     """A ``SyncSession`` for this test's case: server, client, reference, sync()."""
     sess = _session(request, case, server_pool,
                     fresh=request.node.get_closest_marker("fresh_server") is not None)
@@ -380,6 +380,13 @@ def harness(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool)
     died = sess.pool.mark_dead(sess.server_cfg, during=request.node.nodeid)
     if died:
         warnings.warn(died.splitlines()[0], stacklevel=2)
+
+
+@pytest.fixture
+def harness(session: SyncSession) -> SyncSession:
+    """Deprecated: the same ``SyncSession`` as ``session``, under the name it had
+    before, which inside a test hides the ``harness`` package. Use ``session``."""
+    return session
 
 
 @dataclasses.dataclass
@@ -458,11 +465,8 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[str]:
     from .models import cache_root
 
-    version, dist = installed_vllm()
-    vllm = f"{version} ({dist})" if dist and dist != "vllm" else version
     return [
-        f"weight-sync-harness: vllm {vllm or 'NOT INSTALLED'}, torch {dist_version('torch')}, "
-        f"transformers {dist_version('transformers')}, GPUs {s.gpus()}",
+        f"weight-sync-harness: {environment.summary_line()}, GPUs {s.gpus()}",
         f"  models {list(s.vllm_model)}, dtypes {list(s.vllm_dtype)}, "
         f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}, "
         f"modes {list(s.vllm_mode)}",

@@ -42,7 +42,6 @@ import datetime as _dt
 import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -54,7 +53,7 @@ from typing import Any
 
 import pytest
 
-from .facts import dist_version, installed_vllm
+from . import environment
 from .pause.openapi import pause_capabilities  # the pause checks' own parse
 from .pool import start_seconds_by_mode
 
@@ -86,8 +85,7 @@ USED_ROUTES = (
 
 
 def vllm_distribution() -> dict:
-    version, dist = installed_vllm()
-    return {"version": version, "dist": dist}
+    return environment.vllm()
 
 
 def command_line(config: pytest.Config) -> dict:
@@ -406,26 +404,17 @@ class ReportPlugin:
 
         s = self.state.settings
         return {
-            "vllm": vllm_distribution(),
-            "torch": dist_version("torch"),
-            "transformers": dist_version("transformers"),
-            "tokenizers": dist_version("tokenizers"),
-            "pytest": dist_version("pytest"),
-            "harness": dist_version("weight-sync-harness"),
+            **environment.versions(extra=("tokenizers", "pytest")),
             "harness_path": str(Path(__file__).resolve().parent),
             "git": _git(Path(self.config.rootpath)),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
+            **environment.host(),
             "gpus": {"present": layouts.gpu_count(), "used": s.gpus(),
                      "names": layouts.gpu_names()},
             "selection": {"layouts": list(s.vllm_layout), "models": list(s.vllm_model),
                           "dtypes": list(s.vllm_dtype), "backends": list(s.vllm_backend)},
             "seed": 0,
             "options": s.as_dict(),
-            "env": {k: v for k, v in sorted(os.environ.items())
-                    if k.startswith(("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES"))},
+            "env": environment.env_vars(("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES")),
             **command_line(self.config),
             "start_time": self.started_at.isoformat(timespec="seconds"),
             "wall_seconds": round(time.monotonic() - self.t0, 3),

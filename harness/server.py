@@ -32,6 +32,7 @@ import requests
 
 from . import reaper
 from .facts import WaitTimeout, free_port, legacy_env_free, port_in_use, wait_until
+from .measure import tree_processes
 
 DEFAULT_START_TIMEOUT = 600.0
 # Engines whose data plane is pickled over HTTP: VLLM_ALLOW_INSECURE_SERIALIZATION=1 is
@@ -361,24 +362,9 @@ class VLLMServer:
 
     # ------------------------------------------------------------------ stop
     def _tree(self) -> list:
-        import psutil
-
-        if self.proc is None:
-            return []
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            # The API server is gone (it died); its engine core and workers, now
-            # orphans, are still in its process group.
-            group = []
-            for p in psutil.process_iter():
-                try:
-                    if os.getpgid(p.pid) == self.proc.pid:
-                        group.append(p)
-                except (ProcessLookupError, PermissionError, psutil.Error):
-                    pass
-            return group
+        # Where the API server is gone (it died), its engine core and workers, now
+        # orphans, are still in its process group.
+        return [] if self.proc is None else tree_processes(self.proc.pid, orphans=True)
 
     def stop(self, timeout: float = 30.0) -> None:
         """TERM the process group, wait, KILL what is left, then verify nothing is."""

@@ -75,24 +75,23 @@ def _dtype(flag: str, v: str) -> str:
 
 
 def check_model(flag: str, v: str) -> str:
-    """A zoo name, an existing local directory, or a hub id (``org/name``)."""
-    if v in models.ZOO or models.sized_bytes(v):
-        return v
-    looks_like_path = v.startswith(("/", ".", "~")) or os.sep in v and Path(v).expanduser().exists()
-    if looks_like_path:
-        p = Path(v).expanduser()
-        if not p.is_dir():
-            raise SettingsError(f"{flag}: {v!r} is not a directory")
-        if not (p / "config.json").exists():
+    """A zoo name, a sized model, an existing local directory, or a hub id: what
+    ``models.classify_model`` (the one rule) accepts, said as an option error. A local
+    directory comes back absolute; the others as given."""
+    p = Path(v).expanduser()
+    looks_like_path = v.startswith(("/", ".", "~")) or os.sep in v and p.exists()
+    if looks_like_path and not p.is_dir():
+        raise SettingsError(f"{flag}: {v!r} is not a directory")
+    try:
+        kind, value = models.classify_model(v)
+    except ValueError:
+        if p.is_dir():
             raise SettingsError(f"{flag}: {v!r} has no config.json (not a Hugging Face model "
-                                "directory)")
-        return str(p.resolve())
-    parts = v.split("/")
-    if len(parts) == 2 and all(parts):
-        return v  # a hub id: checked when it is downloaded
-    raise SettingsError(f"{flag}: unknown model {v!r}: not a zoo model "
-                        f"({', '.join(models.ZOO)}), a sized model (sized-256mb), a local "
-                        "directory or a hub id (org/name)")
+                                "directory)") from None
+        raise SettingsError(f"{flag}: unknown model {v!r}: not a zoo model "
+                            f"({', '.join(models.ZOO)}), a sized model (sized-256mb), a local "
+                            "directory or a hub id (org/name)") from None
+    return value if kind == "path" else v  # a hub id is checked when it is downloaded
 
 
 def _url(flag: str, v: str) -> str:

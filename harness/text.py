@@ -2,8 +2,8 @@
 boundaries, and tables that wrap their wide cells or, where even that cannot fit,
 become one record per row.
 
-``harness diff`` renders with these; any other report renderer can (nothing here
-knows about reports). Nothing is cut mid-word: a line longer than the width is broken
+``harness diff`` and ``harness bench``'s table render with these; any other renderer
+can (nothing here knows about reports). Nothing is cut mid-word: a line longer than the width is broken
 at spaces, and a single word longer than the width (a test id, a path) at its own
 separators (``::``, ``[``, ``/``, ``-``...).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from typing import Collection, Sequence
 
 DEFAULT_WIDTH = 80  # when stdout is not a terminal and COLUMNS is not set
 MIN_WIDTH = 40
@@ -112,17 +112,27 @@ def record(head: str, details: Sequence[str], width: int, label: str = "",
     return out
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int,
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int | None,
           flex: Sequence[int] = (), key: Sequence[int] = (0,),
-          max_lines: int | None = 8) -> list[str]:
-    """Rows under headers in ``width`` columns. The ``flex`` columns share what the
-    others leave and wrap their cells at word boundaries; when that leaves one of them
-    narrower than ``MIN_CELL``, each row becomes a record instead: its ``key`` cells
-    on the first line, then "header: cell" for the others."""
+          max_lines: int | None = 8, right: Collection[int] = ()) -> list[str]:
+    """Rows under headers in ``width`` columns (None: every column at its natural
+    width, however wide). The ``flex`` columns share what the others leave and wrap
+    their cells at word boundaries; when that leaves one of them narrower than
+    ``MIN_CELL``, each row becomes a record instead: its ``key`` cells on the first
+    line, then "header: cell" for the others. The ``right`` columns (numbers) are
+    aligned right, their headers too."""
     n = len(headers)
     rows = [[str(c) for c in r] for r in rows]
     natural = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     widths = list(natural)
+
+    def cell(i: int, c: str) -> str:
+        return c.rjust(widths[i]) if i in right else c.ljust(widths[i])
+
+    if width is None:
+        return [GAP.join(cell(i, h) for i, h in enumerate(headers)).rstrip(),
+                GAP.join("-" * w for w in widths)] + \
+               [GAP.join(cell(i, c) for i, c in enumerate(r)).rstrip() for r in rows]
     room = width - len(GAP) * (n - 1) - sum(w for i, w in enumerate(natural) if i not in flex)
     if sum(natural) + len(GAP) * (n - 1) > width:
         if not flex or room < MIN_CELL * len(flex):
@@ -134,13 +144,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int,
             room -= widths[i]
         if any(widths[i] < min(MIN_CELL, natural[i]) for i in flex):
             return records(headers, rows, width, key, max_lines)
-    out = [GAP.join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+    out = [GAP.join(cell(i, h) for i, h in enumerate(headers)).rstrip(),
            GAP.join("-" * w for w in widths)]
     for r in rows:
         cells = [wrap(c, widths[i], max_lines) if i in flex else [c] for i, c in enumerate(r)]
         for k in range(max(len(c) for c in cells)):
-            out.append(GAP.join((c[k] if k < len(c) else "").ljust(w)
-                                for c, w in zip(cells, widths)).rstrip())
+            out.append(GAP.join(cell(i, c[k] if k < len(c) else "")
+                                for i, c in enumerate(cells)).rstrip())
     return out
 
 

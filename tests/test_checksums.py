@@ -15,7 +15,7 @@
   the server's start; the judgement is in docs/known-issues.md, "reset instead of a
   restart").
 
-Every test that damages a server's weights leaves them marked so; the ``harness``
+Every test that damages a server's weights leaves them marked so; the ``session``
 fixture pushes the model again afterwards.
 """
 
@@ -48,61 +48,61 @@ LINEAR = "model.layers.0.mlp.down_proj.weight"
 _ROUTES: dict[str, list[str]] = {}
 
 
-def offered(harness, route: str) -> bool:
-    url = harness.server.url
+def offered(session, route: str) -> bool:
+    url = session.server.url
     if url not in _ROUTES:
-        _ROUTES[url] = harness.client.routes()
+        _ROUTES[url] = session.client.routes()
     return route in _ROUTES[url]
 
 
-def checker_or_skip(harness) -> None:
-    if not offered(harness, checksums.ROUTE):
-        pytest.skip(f"POST {checksums.ROUTE} is not offered by vLLM {harness.server.version}: "
+def checker_or_skip(session) -> None:
+    if not offered(session, checksums.ROUTE):
+        pytest.skip(f"POST {checksums.ROUTE} is not offered by vLLM {session.server.version}: "
                     "no checksum oracle there, parity rests on the logits alone")
 
 
-def weight_info_or_skip(harness) -> None:
-    if not offered(harness, "/weight_info"):
-        pytest.skip(f"GET /weight_info is not offered by vLLM {harness.server.version}")
+def weight_info_or_skip(session) -> None:
+    if not offered(session, "/weight_info"):
+        pytest.skip(f"GET /weight_info is not offered by vLLM {session.server.version}")
 
 
-def fresh(harness):
+def fresh(session):
     """A client with a connection of its own: after an HTTP 500 uvicorn closes the
     connection, and the next request on it can be reset (engine-errors-answer-500)."""
-    return harness.client.clone()
+    return session.client.clone()
 
 
-def where(harness) -> str:
-    return f"{harness.case.id} on vLLM {harness.server.version}"
+def where(session) -> str:
+    return f"{session.case.id} on vLLM {session.server.version}"
 
 
-def record_coverage(harness, digests: dict[str, str]) -> None:
-    harness.record(checksum_tensors=len(digests), checksum_ranks=checksums.ranks(digests),
+def record_coverage(session, digests: dict[str, str]) -> None:
+    session.record(checksum_tensors=len(digests), checksum_ranks=checksums.ranks(digests),
                    checksum_empty_tensors=sum(d == EMPTY_DIGEST for d in digests.values()))
 
 
-def assert_twin_digests(harness) -> dict[str, str]:
-    harness.ensure_holds()
-    _, twin = harness.twin(harness.model_path)
+def assert_twin_digests(session) -> dict[str, str]:
+    session.ensure_holds()
+    _, twin = session.twin(session.model_path)
     want = twin.weight_checksums()
-    got = harness.client.weight_checksums()
-    record_coverage(harness, got)
-    checksums.assert_match(got, want, what=f"{where(harness)}: synced server vs its "
-                           "disk-loaded twin", context=harness.server.describe_failure(20))
+    got = session.client.weight_checksums()
+    record_coverage(session, got)
+    checksums.assert_match(got, want, what=f"{where(session)}: synced server vs its "
+                           "disk-loaded twin", context=session.server.describe_failure(20))
     # vLLM's own comparison must agree with ours.
-    answer = harness.client.weight_checker_compare(want)
+    answer = session.client.weight_checker_compare(want)
     assert answer.get("match") is True and not answer.get("mismatches"), (
-        f"{where(harness)}: POST {checksums.ROUTE} {{'action': 'compare'}} against the twin's "
+        f"{where(session)}: POST {checksums.ROUTE} {{'action': 'compare'}} against the twin's "
         f"digests answered {str(answer)[:500]}, though every digest is equal")
     return got
 
 
-def corrupted_digests(harness, corrupt: str, target: str | None = None):
+def corrupted_digests(session, corrupt: str, target: str | None = None):
     """A sync damaged on purpose, then the digests against the model's own."""
-    harness.ensure_holds()
-    want = harness.client.weight_checksums()
-    result = harness.sync(corrupt=corrupt, corrupt_target=target)
-    got = harness.client.weight_checksums()
+    session.ensure_holds()
+    want = session.client.weight_checksums()
+    result = session.sync(corrupt=corrupt, corrupt_target=target)
+    got = session.client.weight_checksums()
     return result, checksums.diff(got, want)
 
 
@@ -111,94 +111,94 @@ def corrupted_digests(harness, corrupt: str, target: str | None = None):
 @pytest.mark.twin
 @pytest.mark.models(*TWIN_MODELS)
 @pytest.mark.dtypes("float32")
-def test_every_digest_matches_the_disk_loaded_twin(synced, harness):
-    checker_or_skip(harness)
-    assert_twin_digests(harness)
+def test_every_digest_matches_the_disk_loaded_twin(synced, session):
+    checker_or_skip(session)
+    assert_twin_digests(session)
 
 
 @pytest.mark.twin
 @pytest.mark.layouts("cpu-tp2")
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_every_rank_matches_the_disk_loaded_twin(synced, harness):
-    checker_or_skip(harness)
-    got = assert_twin_digests(harness)
-    tp = harness.case.layout.tensor_parallel_size
+def test_every_rank_matches_the_disk_loaded_twin(synced, session):
+    checker_or_skip(session)
+    got = assert_twin_digests(session)
+    tp = session.case.layout.tensor_parallel_size
     tps = sorted({checksums.Key.parse(k).tp for k in got})
-    assert tps == list(range(tp)), (f"{where(harness)}: digests come from tensor-parallel "
+    assert tps == list(range(tp)), (f"{where(session)}: digests come from tensor-parallel "
                                     f"ranks {tps}, expected 0..{tp - 1}")
 
 
 @pytest.mark.layouts("cpu", "cpu-tp2")
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_a_corrupted_sync_names_the_tensor_and_every_rank(harness):
+def test_a_corrupted_sync_names_the_tensor_and_every_rank(session):
     """Scaled by 1.01: a norm weight, which every rank holds whole."""
-    checker_or_skip(harness)
-    _, d = corrupted_digests(harness, "scale", NORM)
-    tp = harness.case.layout.tensor_parallel_size
+    checker_or_skip(session)
+    _, d = corrupted_digests(session, "scale", NORM)
+    tp = session.case.layout.tensor_parallel_size
     want = {f"dp0:pp0:pcp0:tp{r}": [NORM] for r in range(tp)}
-    assert d.by_rank() == want, (f"{where(harness)}: after scaling {NORM}, the digests differ "
+    assert d.by_rank() == want, (f"{where(session)}: after scaling {NORM}, the digests differ "
                                  f"at {d.describe()}; expected exactly {want}")
 
 
 @pytest.mark.layouts("cpu", "cpu-tp2")
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_the_checksums_see_what_the_logits_miss(harness):
+def test_the_checksums_see_what_the_logits_miss(session):
     """One embedding row, of a token id no prompt or reference continuation holds: the
     logits of the prompts cannot change (llama's lm_head is its own tensor), the digest
     of the rank that holds the row does."""
-    checker_or_skip(harness)
-    ref = harness.reference()
+    checker_or_skip(session)
+    ref = session.reference()
     used = {t for p in ref.prompts for t in list(p.prompt_ids) + list(p.greedy_ids)}
-    result, d = corrupted_digests(harness, "row")
+    result, d = corrupted_digests(session, "row")
     vocab = int(result["corruption"].split("row ")[1].split()[0])
     assert vocab not in used, f"token {vocab} appears in the prompts: pick another row"
-    r = harness.compare(ref)
-    harness.record(**{f"row_corruption_{k}": v for k, v in r.metrics().items()})
+    r = session.compare(ref)
+    session.record(**{f"row_corruption_{k}": v for k, v in r.metrics().items()})
     # The logits alone pass this sync (else the demonstration shows nothing) ...
-    parity.assert_logprobs_close(r, decode=harness.decode)
+    parity.assert_logprobs_close(r, decode=session.decode)
     parity.assert_greedy_equal(r)
     # ... the digests name the tensor, on the last rank only (the vocabulary is split).
-    tp = harness.case.layout.tensor_parallel_size
+    tp = session.case.layout.tensor_parallel_size
     want = {f"dp0:pp0:pcp0:tp{tp - 1}": ["model.embed_tokens.weight"]}
-    assert d.by_rank() == want, (f"{where(harness)}: after {result['corruption']}, the digests "
+    assert d.by_rank() == want, (f"{where(session)}: after {result['corruption']}, the digests "
                                  f"differ at {d.describe()}; expected exactly {want}")
 
 
 @pytest.mark.selftest
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_what_each_oracle_sees_of_a_scaled_linear_layer(harness):
+def test_what_each_oracle_sees_of_a_scaled_linear_layer(session):
     """A linear weight scaled by 1.01 must fail the logits. Whether the digests see it
     is recorded: on CPU the prepacked weight is no parameter (the digest is that of an
     empty tensor), on GPU it is."""
-    checker_or_skip(harness)
-    ref = harness.reference()
-    _, d = corrupted_digests(harness, "scale", LINEAR)
-    harness.record(checksum_sees_scaled_linear=not d.match, checksum_linear_diff=d.by_rank())
+    checker_or_skip(session)
+    ref = session.reference()
+    _, d = corrupted_digests(session, "scale", LINEAR)
+    session.record(checksum_sees_scaled_linear=not d.match, checksum_linear_diff=d.by_rank())
     with pytest.raises(AssertionError, match="max \\|Δlogprob\\|"):
-        parity.assert_logprobs_close(harness.compare(ref), tolerance=1e-6)
+        parity.assert_logprobs_close(session.compare(ref), tolerance=1e-6)
 
 
 # ----------------------------------------------------------------------------- weight versions
 
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_a_finished_update_publishes_its_version(harness):
-    weight_info_or_skip(harness)
-    first = harness.client.weight_info()
+def test_a_finished_update_publishes_its_version(session):
+    weight_info_or_skip(session)
+    first = session.client.weight_info()
     version = f"harness-{uuid.uuid4().hex[:12]}"
-    harness.sync(options={"weight_version": version}, fresh_trainer=True)
-    got = harness.client.weight_info()
-    harness.record(weight_version_initial=first, weight_version_after_sync=got)
-    assert got == version, (f"{where(harness)}: POST /finish_weight_update with weight_version "
+    session.sync(options={"weight_version": version}, fresh_trainer=True)
+    got = session.client.weight_info()
+    session.record(weight_version_initial=first, weight_version_after_sync=got)
+    assert got == version, (f"{where(session)}: POST /finish_weight_update with weight_version "
                             f"{version!r} completed, then GET /weight_info said {got!r}")
-    harness.sync()  # a finish without a version keeps the last one
-    assert harness.client.weight_info() == version, (
-        f"{where(harness)}: a sync whose /finish_weight_update named no version changed "
-        f"GET /weight_info from {version!r} to {harness.client.weight_info()!r}")
+    session.sync()  # a finish without a version keeps the last one
+    assert session.client.weight_info() == version, (
+        f"{where(session)}: a sync whose /finish_weight_update named no version changed "
+        f"GET /weight_info from {version!r} to {session.client.weight_info()!r}")
 
 
 # The two tests that provoke refused RPCs run on one rank: on cpu-tp2 (vLLM 0.32.0) the
@@ -207,15 +207,15 @@ def test_a_finished_update_publishes_its_version(harness):
 @pytest.mark.layouts("cpu")
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_a_refused_finish_does_not_publish_its_version(harness):
-    weight_info_or_skip(harness)
-    before = harness.client.weight_info()
+def test_a_refused_finish_does_not_publish_its_version(session):
+    weight_info_or_skip(session)
+    before = session.client.weight_info()
     body = {"weight_version": f"refused-{uuid.uuid4().hex[:8]}"}
-    r = fresh(harness).raw("POST", "/finish_weight_update", json=body)
-    assert r.status_code != 200, (f"{where(harness)}: POST /finish_weight_update {body} without "
+    r = fresh(session).raw("POST", "/finish_weight_update", json=body)
+    assert r.status_code != 200, (f"{where(session)}: POST /finish_weight_update {body} without "
                                   f"a started update answered 200: {r.text[:300]}")
-    got = fresh(harness).weight_info()
-    assert got == before, (f"{where(harness)}: POST /finish_weight_update {body} was refused "
+    got = fresh(session).weight_info()
+    assert got == before, (f"{where(session)}: POST /finish_weight_update {body} was refused "
                            f"(HTTP {r.status_code}), yet GET /weight_info says {got!r}, not "
                            f"{before!r}")
 
@@ -223,40 +223,40 @@ def test_a_refused_finish_does_not_publish_its_version(harness):
 @pytest.mark.layouts("cpu")
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_a_failed_or_abandoned_update_does_not_publish_a_version(harness):
+def test_a_failed_or_abandoned_update_does_not_publish_a_version(session):
     """Failed: an /update_weights the engine refuses, then a finish with a version.
     Abandoned: start and nothing more, then the way out (a finish without a version).
     Neither may change /weight_info. Before any completion a complete sync repairs the
     server (known issue failed-update-leaves-reload-open)."""
-    weight_info_or_skip(harness)
-    harness.ensure_holds()
-    c = harness.client
+    weight_info_or_skip(session)
+    session.ensure_holds()
+    c = session.client
     before = c.weight_info()
     seen = {}
     body = {"weight_version": f"failed-{uuid.uuid4().hex[:8]}"}
-    harness.pool.set_holding(harness.server_cfg, State.INCOMPLETE, None)
+    session.pool.set_holding(session.server_cfg, State.INCOMPLETE, None)
     try:
         c.start_weight_update()
         seen["abandoned_open"] = c.weight_info()
         c.finish_weight_update()
         seen["abandoned_finished"] = c.weight_info()
         c.start_weight_update()
-        bad = fresh(harness).raw("POST", "/update_weights",
+        bad = fresh(session).raw("POST", "/update_weights",
                                  json={"update_info": {"no_such_field": 1}})
-        fin = fresh(harness).raw("POST", "/finish_weight_update", json=body)
-        seen["failed"] = (bad.status_code, fin.status_code, fresh(harness).weight_info())
+        fin = fresh(session).raw("POST", "/finish_weight_update", json=body)
+        seen["failed"] = (bad.status_code, fin.status_code, fresh(session).weight_info())
     finally:
-        harness.client = fresh(harness)  # the old connection may have been closed
-        harness.sync()
-    harness.record(weight_version_failed_update=seen)
-    assert seen["failed"][0] != 200, (f"{where(harness)}: /update_weights with update_info "
+        session.client = fresh(session)  # the old connection may have been closed
+        session.sync()
+    session.record(weight_version_failed_update=seen)
+    assert seen["failed"][0] != 200, (f"{where(session)}: /update_weights with update_info "
                                       f"{{'no_such_field': 1}} answered 200")
     assert seen["failed"][2] == before, (
-        f"{where(harness)}: after a refused /update_weights, POST /finish_weight_update {body} "
+        f"{where(session)}: after a refused /update_weights, POST /finish_weight_update {body} "
         f"answered HTTP {seen['failed'][1]} and GET /weight_info says {seen['failed'][2]!r}, "
         f"not {before!r}: a failed update published its version")
     assert seen["abandoned_open"] == seen["abandoned_finished"] == before, (
-        f"{where(harness)}: an update left open, then finished without a version: GET "
+        f"{where(session)}: an update left open, then finished without a version: GET "
         f"/weight_info said {seen['abandoned_open']!r} while open and "
         f"{seen['abandoned_finished']!r} after, not {before!r}")
 
@@ -265,34 +265,34 @@ def test_a_failed_or_abandoned_update_does_not_publish_a_version(harness):
 
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_reset_gives_weights_that_are_not_the_reference(harness):
+def test_reset_gives_weights_that_are_not_the_reference(session):
     """{"action": "reset"} zeroes every parameter: the server must then be far from the
     reference (what a test that needs "not the reference" before a sync asks of a fresh
     server), and a sync must restore the twin-equal digests. Timed against a start."""
-    checker_or_skip(harness)
-    harness.ensure_holds()
-    ref = harness.reference()
-    c = harness.client
+    checker_or_skip(session)
+    session.ensure_holds()
+    ref = session.reference()
+    c = session.client
     synced = c.weight_checksums()
-    harness.pool.set_holding(harness.server_cfg, State.CORRUPTED, None)
+    session.pool.set_holding(session.server_cfg, State.CORRUPTED, None)
     t0 = time.monotonic()
     c.reset_weights()
     reset_s = time.monotonic() - t0
     zeroed = c.weight_checksums()
     changed = checksums.diff(zeroed, synced)
-    before = harness.compare(ref)
+    before = session.compare(ref)
     t0 = time.monotonic()
-    harness.sync()
+    session.sync()
     sync_s = time.monotonic() - t0
     restored = checksums.diff(c.weight_checksums(), synced)
-    harness.record(reset_seconds=round(reset_s, 3), reset_then_sync_seconds=round(sync_s, 3),
-                   server_start_seconds=harness.server.start_seconds,
+    session.record(reset_seconds=round(reset_s, 3), reset_then_sync_seconds=round(sync_s, 3),
+                   server_start_seconds=session.server.start_seconds,
                    reset_changed_digests=len(changed.mismatches),
                    reset_unchanged_nonempty=sum(1 for k, v in synced.items()
                                                 if v != EMPTY_DIGEST and zeroed.get(k) == v),
                    reset_mean_abs_dlogprob=before.mean_abs)
-    assert changed.mismatches, (f"{where(harness)}: POST {checksums.ROUTE} {{'action': 'reset'}} "
+    assert changed.mismatches, (f"{where(session)}: POST {checksums.ROUTE} {{'action': 'reset'}} "
                                 "answered 200 and no digest changed")
     parity.assert_gibberish(before)
-    assert restored.match, (f"{where(harness)}: a full sync after the reset: "
+    assert restored.match, (f"{where(session)}: a full sync after the reset: "
                             f"{restored.describe()}")

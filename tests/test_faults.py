@@ -45,42 +45,42 @@ INIT, START, UPDATE, FINISH = ("/init_weight_transfer_engine", "/start_weight_up
 
 # ----------------------------------------------------------------------------- helpers
 
-def probe(harness, method: str, route: str, **kw: Any) -> faults.Answer:
-    return faults.probe(harness.server.url, method, route, api_key=harness.server_cfg.api_key,
+def probe(session, method: str, route: str, **kw: Any) -> faults.Answer:
+    return faults.probe(session.server.url, method, route, api_key=session.server_cfg.api_key,
                         timeout=ANSWER_WITHIN, **kw)
 
 
-def unknown_weights(harness) -> None:
+def unknown_weights(session) -> None:
     """From here until ``repair`` the server's weights are in doubt: a test that stops
     early leaves a server the harness restarts rather than hands on."""
-    harness.pool.set_holding(harness.server_cfg, State.INCOMPLETE, None)
+    session.pool.set_holding(session.server_cfg, State.INCOMPLETE, None)
 
 
-def assert_alive(harness, after: str) -> None:
-    code = harness.server.exit_code()
+def assert_alive(session, after: str) -> None:
+    code = session.server.exit_code()
     assert code is None, (f"the server died after {after} (exit code {code}):\n"
-                          f"{harness.server.describe_failure()}")
-    assert harness.client.health(), (f"/health does not answer 200 after {after}:\n"
-                                     f"{harness.server.describe_failure()}")
+                          f"{session.server.describe_failure()}")
+    assert session.client.health(), (f"/health does not answer 200 after {after}:\n"
+                                     f"{session.server.describe_failure()}")
 
 
-def repair(harness) -> None:
+def repair(session) -> None:
     """Close an update a fault left open, resume, and push the model again (a second
     time by a new trainer if the engine was initialised by someone else meanwhile)."""
-    probe(harness, "POST", FINISH, json={})  # refused when no update is open: fine
-    if harness.client.is_paused():
-        harness.client.resume()
+    probe(session, "POST", FINISH, json={})  # refused when no update is open: fine
+    if session.client.is_paused():
+        session.client.resume()
     try:
-        harness.sync()
+        session.sync()
     except TrainerError:  # that trainer is gone; its successor initialises the engine
-        harness.sync()
+        session.sync()
 
 
-def assert_parity(harness, ref) -> None:
-    r = harness.compare(ref)
-    harness.record(parity_after=r.metrics())
+def assert_parity(session, ref) -> None:
+    r = session.compare(ref)
+    session.record(parity_after=r.metrics())
     parity.assert_greedy_equal(r)
-    parity.assert_logprobs_close(r, decode=harness.decode)
+    parity.assert_logprobs_close(r, decode=session.decode)
 
 
 def assert_client_error(a: faults.Answer, what: str) -> None:
@@ -179,159 +179,159 @@ READ_ONLY = ("/is_paused", "/get_world_size")
 
 
 @pytest.mark.parametrize("bad", BAD_INPUT, ids=str)
-def test_bad_input_is_refused(harness, bad):
+def test_bad_input_is_refused(session, bad):
     """Each route is sent one bad request: it must answer (no hang, no crash), stay
     healthy, and answer 4xx (2xx where the route ignores the bad part)."""
     changes_state = bad.route not in READ_ONLY
     if changes_state:
-        unknown_weights(harness)
+        unknown_weights(session)
     if bad.opens_update:
-        opened = probe(harness, "POST", START, json={})
+        opened = probe(session, "POST", START, json={})
         assert opened.status == 200, f"could not open an update first: {opened}"
-    a = probe(harness, bad.method, bad.route, params=dict(bad.params), **bad.request())
-    harness.record(bad_input=bad.id, status=a.status, answer=a.as_dict())
+    a = probe(session, bad.method, bad.route, params=dict(bad.params), **bad.request())
+    session.record(bad_input=bad.id, status=a.status, answer=a.as_dict())
     assert a.status is not None, f"{bad.id}: no answer within {ANSWER_WITHIN:.0f}s: {a}"
-    assert_alive(harness, f"{bad.id} ({a})")
+    assert_alive(session, f"{bad.id} ({a})")
     if changes_state:
-        repair(harness)
-    if harness.case.backend.engine in bad.valid_for:
+        repair(session)
+    if session.case.backend.engine in bad.valid_for:
         assert 200 <= a.status < 300, (f"{bad.id} is a valid request for the "
-                                       f"{harness.case.backend.engine} engine: {a}")
+                                       f"{session.case.backend.engine} engine: {a}")
         return
     if bad.ignored_ok and a.status < 300:
         return
     assert_client_error(a, bad.id)
 
 
-def test_a_correct_sync_restores_parity_after_bad_input(harness):
+def test_a_correct_sync_restores_parity_after_bad_input(session):
     """After all of the above (tests run in file order on a shared server)."""
-    ref = harness.reference()
-    harness.sync()
-    assert_parity(harness, ref)
+    ref = session.reference()
+    session.sync()
+    assert_parity(session, ref)
 
 
 # ----------------------------------------------------------------------------- 2. misuse
 
-def _empty_update_info(harness) -> dict:
+def _empty_update_info(session) -> dict:
     """An update info this engine parses, describing no tensor."""
     info: dict[str, Any] = {"names": [], "dtype_names": [], "shapes": []}
-    if harness.case.backend.engine == "shm":
+    if session.case.backend.engine == "shm":
         info["path"] = "/dev/shm/harness-faults-no-such-bucket.safetensors"
-    elif harness.case.backend.engine == "ipc":
+    elif session.case.backend.engine == "ipc":
         info["ipc_handles"] = []
     return info
 
 
-def test_update_before_start_is_refused(harness):
-    harness.ensure_holds()
-    unknown_weights(harness)
-    a = probe(harness, "POST", UPDATE, json={"update_info": _empty_update_info(harness)})
-    harness.record(status=a.status, answer=a.as_dict())
+def test_update_before_start_is_refused(session):
+    session.ensure_holds()
+    unknown_weights(session)
+    a = probe(session, "POST", UPDATE, json={"update_info": _empty_update_info(session)})
+    session.record(status=a.status, answer=a.as_dict())
     assert a.status is not None and a.status >= 400, f"an update before any start: {a}"
     assert "start_weight_update" in a.body, f"the refusal does not name the missing step: {a}"
-    assert_alive(harness, "an update before /start_weight_update")
-    repair(harness)
+    assert_alive(session, "an update before /start_weight_update")
+    repair(session)
     assert_client_error(a, "update before start")
 
 
-def test_finish_without_start_is_refused(harness):
-    harness.ensure_holds()  # its last sync finished its update: none is open
-    unknown_weights(harness)
-    a = probe(harness, "POST", FINISH, json={})
-    harness.record(status=a.status, answer=a.as_dict())
+def test_finish_without_start_is_refused(session):
+    session.ensure_holds()  # its last sync finished its update: none is open
+    unknown_weights(session)
+    a = probe(session, "POST", FINISH, json={})
+    session.record(status=a.status, answer=a.as_dict())
     assert a.status is not None and a.status >= 400, f"a finish without a start: {a}"
     assert "start_weight_update" in a.body, f"the refusal does not name the missing step: {a}"
-    assert_alive(harness, "/finish_weight_update without a start")
-    repair(harness)
+    assert_alive(session, "/finish_weight_update without a start")
+    repair(session)
     assert_client_error(a, "finish without start")
 
 
-def test_start_twice_is_refused_and_an_empty_update_keeps_the_weights(harness):
-    harness.ensure_holds()
-    ref = harness.reference()
-    unknown_weights(harness)
-    first = probe(harness, "POST", START, json={})
-    second = probe(harness, "POST", START, json={})
-    finish = probe(harness, "POST", FINISH, json={})
-    harness.record(first=first.status, second=second.status, finish=finish.status,
+def test_start_twice_is_refused_and_an_empty_update_keeps_the_weights(session):
+    session.ensure_holds()
+    ref = session.reference()
+    unknown_weights(session)
+    first = probe(session, "POST", START, json={})
+    second = probe(session, "POST", START, json={})
+    finish = probe(session, "POST", FINISH, json={})
+    session.record(first=first.status, second=second.status, finish=finish.status,
                    answer=second.as_dict())
     assert first.status == 200 and finish.status == 200, (first, finish)
     assert second.status is not None and second.status >= 400, f"a second start: {second}"
     assert "already active" in second.body or "finish" in second.body, second
-    assert_alive(harness, "a second /start_weight_update")
+    assert_alive(session, "a second /start_weight_update")
     # start + finish with nothing in between must leave the weights as they were
-    r = harness.compare(ref)
-    harness.record(empty_update=r.metrics())
-    parity.assert_logprobs_close(r, decode=harness.decode)
-    harness.pool.set_holding(harness.server_cfg, State.SYNCED, harness.model_path)
+    r = session.compare(ref)
+    session.record(empty_update=r.metrics())
+    parity.assert_logprobs_close(r, decode=session.decode)
+    session.pool.set_holding(session.server_cfg, State.SYNCED, session.model_path)
     assert_client_error(second, "start twice")
 
 
 @pytest.mark.backends("shm")
-def test_update_before_init_is_refused(harness):
+def test_update_before_init_is_refused(session):
     """An engine that was never initialised (or was shut down: vLLM >= 0.27 has
     /shutdown_weight_transfer_engine) must refuse an update, naming the missing init."""
-    if "/shutdown_weight_transfer_engine" not in harness.client.routes():
-        pytest.skip(f"vLLM {harness.server.version} has no /shutdown_weight_transfer_engine: "
+    if "/shutdown_weight_transfer_engine" not in session.client.routes():
+        pytest.skip(f"vLLM {session.server.version} has no /shutdown_weight_transfer_engine: "
                     "an initialised engine cannot be returned to the never-initialised state")
-    harness.ensure_holds()
-    unknown_weights(harness)
-    shut = probe(harness, "POST", "/shutdown_weight_transfer_engine", json={})
+    session.ensure_holds()
+    unknown_weights(session)
+    shut = probe(session, "POST", "/shutdown_weight_transfer_engine", json={})
     assert shut.status == 200, shut
-    harness.pool.drop_trainers(harness.server_cfg)  # their engine state is gone
-    start = probe(harness, "POST", START, json={})
-    a = probe(harness, "POST", UPDATE, json={"update_info": _empty_update_info(harness)})
-    harness.record(start=start.status, status=a.status, answer=a.as_dict())
+    session.pool.drop_trainers(session.server_cfg)  # their engine state is gone
+    start = probe(session, "POST", START, json={})
+    a = probe(session, "POST", UPDATE, json={"update_info": _empty_update_info(session)})
+    session.record(start=start.status, status=a.status, answer=a.as_dict())
     assert a.status is not None and a.status >= 400, f"an update before init: {a}"
     assert "init" in a.body.lower(), f"the refusal does not name the missing init: {a}"
-    assert_alive(harness, "an update before /init_weight_transfer_engine")
-    repair(harness)
+    assert_alive(session, "an update before /init_weight_transfer_engine")
+    repair(session)
     assert_client_error(a, "update before init")
 
 
 @pytest.mark.parametrize("lie", ["names", "shapes", "dtypes", "count"])
-def test_metadata_that_disagrees_with_the_tensors_is_refused(harness, lie):
+def test_metadata_that_disagrees_with_the_tensors_is_refused(session, lie):
     """The trainer sends the right tensors with an update info that lies about them
     (harness.trainer.LIES). The server must refuse within a bound, naming what
     disagrees, and not load garbage; a complete sync afterwards restores parity."""
-    harness.ensure_holds()
-    ref = harness.reference(harness.perturbed(SELFTEST_LIE_SEED))
-    harness.sync_timeout = SYNC_WITHIN
+    session.ensure_holds()
+    ref = session.reference(session.perturbed(SELFTEST_LIE_SEED))
+    session.sync_timeout = SYNC_WITHIN
     t0 = time.monotonic()
     try:
         # perturbed weights: what the server computes after the lie tells whether it
         # loaded them (the lie ignored), garbage, or nothing
-        harness.sync(harness.perturbed(SELFTEST_LIE_SEED), lie=lie)
+        session.sync(session.perturbed(SELFTEST_LIE_SEED), lie=lie)
         refused = None
     except TrainerError as e:
         refused = e
     elapsed = time.monotonic() - t0
     if refused is None:
-        loaded = _what_was_loaded(harness, ref)
-        harness.record(lie=lie, refusal=None, loaded=loaded, seconds=round(elapsed, 2))
-        repair(harness)
-        assert_parity(harness, harness.reference())
+        loaded = _what_was_loaded(session, ref)
+        session.record(lie=lie, refusal=None, loaded=loaded, seconds=round(elapsed, 2))
+        repair(session)
+        assert_parity(session, session.reference())
         raise AssertionError(f"the server accepted an update info that lies about {lie}; "
                              f"after it the server computed {loaded}")
-    harness.record(lie=lie, refusal=first_line(refused), seconds=round(elapsed, 2))
+    session.record(lie=lie, refusal=first_line(refused), seconds=round(elapsed, 2))
     assert elapsed < SYNC_WITHIN + 30
     assert "did not finish within" not in str(refused), (
         f"the server did not refuse an update info that lies about {lie}: the sync hung "
         f"until the harness's bound ({SYNC_WITHIN:.0f}s)")
     assert "/update_weights" in str(refused), f"not refused by /update_weights: {refused}"
-    assert_alive(harness, f"an update whose info lies about {lie}")
-    repair(harness)
-    assert_parity(harness, harness.reference())
+    assert_alive(session, f"an update whose info lies about {lie}")
+    repair(session)
+    assert_parity(session, session.reference())
 
 
 SELFTEST_LIE_SEED = 401
 
 
-def _what_was_loaded(harness, ref) -> str:
+def _what_was_loaded(session, ref) -> str:
     """After an update that should have been refused: the weights it carried (the lie
     was ignored), or something else (what the lie described, or garbage)."""
     try:
-        r = harness.compare(ref)
+        r = session.compare(ref)
     except parity.NonFiniteOutput as e:
         return f"non-finite logprobs ({first_line(e)})"
     if r.tokens_compared and not r.missing and r.max_abs <= parity.tolerance_for(
@@ -342,25 +342,25 @@ def _what_was_loaded(harness, ref) -> str:
 
 
 @pytest.mark.backends("ipc-packed", "ipc-unpacked")
-def test_ipc_handles_for_another_gpu_are_refused(harness):
-    harness.ensure_holds()
-    ref = harness.reference()
-    harness.sync_timeout = SYNC_WITHIN
+def test_ipc_handles_for_another_gpu_are_refused(session):
+    session.ensure_holds()
+    ref = session.reference()
+    session.sync_timeout = SYNC_WITHIN
     with pytest.raises(TrainerError) as e:
-        harness.sync(lie="gpu")
-    harness.record(refusal=first_line(e.value))
+        session.sync(lie="gpu")
+    session.record(refusal=first_line(e.value))
     assert "IPC handle" in str(e.value) or "UUID" in str(e.value), e.value
-    assert_alive(harness, "IPC handles keyed by another GPU")
-    repair(harness)
-    assert_parity(harness, ref)
+    assert_alive(session, "IPC handles keyed by another GPU")
+    repair(session)
+    assert_parity(session, ref)
 
 
-def _until_usable(harness, within: float) -> float | None:
+def _until_usable(session, within: float) -> float | None:
     """Seconds until the server answers a completion again (None: not within)."""
-    prompt = harness.reference().prompts[0].prompt_ids
+    prompt = session.reference().prompts[0].prompt_ids
     t0 = time.monotonic()
     try:
-        wait_until(lambda: harness.client.complete(prompt, max_tokens=1, timeout=30),
+        wait_until(lambda: session.client.complete(prompt, max_tokens=1, timeout=30),
                    timeout=within, interval=5.0, what="a completion")
     except Exception:
         return None
@@ -369,39 +369,39 @@ def _until_usable(harness, within: float) -> float | None:
 
 @pytest.mark.breaks_server
 @pytest.mark.backends("nccl-packed", "nccl-unpacked")
-def test_nccl_init_with_the_wrong_world_size_is_bounded(harness):
+def test_nccl_init_with_the_wrong_world_size_is_bounded(session):
     """The trainer opens the rendezvous for one rank more than the server has: both
     sides wait for a rank that never comes. The harness must give up within its bound;
     the record says how long the server stays unusable (the TCPStore timeout)."""
-    ws = harness.client.world_size()
-    harness.sync_timeout = SYNC_WITHIN
-    unknown_weights(harness)
+    ws = session.client.world_size()
+    session.sync_timeout = SYNC_WITHIN
+    unknown_weights(session)
     t0 = time.monotonic()
     with pytest.raises(TrainerError) as e:
-        harness.sync(fresh_trainer=True, options={"world_size": ws + 2, "step_timeout_s": 60})
+        session.sync(fresh_trainer=True, options={"world_size": ws + 2, "step_timeout_s": 60})
     elapsed = time.monotonic() - t0
-    back = _until_usable(harness, 420)
-    harness.record(refusal=first_line(e.value), seconds=round(elapsed, 1),
+    back = _until_usable(session, 420)
+    session.record(refusal=first_line(e.value), seconds=round(elapsed, 1),
                    usable_again_after=back)
     assert elapsed < SYNC_WITHIN
     assert back is not None, "the server did not generate again within 420s"
-    repair(harness)
+    repair(session)
 
 
 @pytest.mark.breaks_server
 @pytest.mark.backends("nccl-packed", "nccl-unpacked")
-def test_nccl_init_with_a_rendezvous_nobody_listens_on_is_bounded(harness):
-    ws = harness.client.world_size()
-    unknown_weights(harness)
+def test_nccl_init_with_a_rendezvous_nobody_listens_on_is_bounded(session):
+    ws = session.client.world_size()
+    unknown_weights(session)
     init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
             "world_size": ws + 1}
-    a = faults.probe(harness.server.url, "POST", INIT, json={"init_info": init}, timeout=60,
-                     api_key=harness.server_cfg.api_key)
-    back = _until_usable(harness, 420)
-    harness.record(answer=a.as_dict(), usable_again_after=back)
+    a = faults.probe(session.server.url, "POST", INIT, json={"init_info": init}, timeout=60,
+                     api_key=session.server_cfg.api_key)
+    back = _until_usable(session, 420)
+    session.record(answer=a.as_dict(), usable_again_after=back)
     assert back is not None, f"the server did not generate again within 420s; init: {a}"
-    harness.pool.drop_trainers(harness.server_cfg)
-    repair(harness)
+    session.pool.drop_trainers(session.server_cfg)
+    repair(session)
 
 
 # ----------------------------------------------------------------------------- 3. trainer death
@@ -416,20 +416,20 @@ HOLD = {"shm": ({"bucket_bytes": 1 << 20, "bucket_delay_s": 120.0}, "bucket(s) a
         "ipc": ({"hold_after_start_s": 120.0}, "/start_weight_update acknowledged, holding")}
 
 
-def test_a_trainer_killed_mid_update_is_reported_and_recoverable(harness):
+def test_a_trainer_killed_mid_update_is_reported_and_recoverable(session):
     """SIGKILL to the persistent trainer while its update is open on the server. The
     harness reports the death within seconds, removes what the trainer left, and says
     whether the server survived; a complete sync must then restore parity."""
-    harness.ensure_holds()
-    ref = harness.reference()
-    harness.sync_timeout = SYNC_WITHIN
-    options, marker = HOLD[harness.case.backend.engine]
-    trainer = harness.pool.trainer(harness.server_cfg, harness.trainer_spec(options))
+    session.ensure_holds()
+    ref = session.reference()
+    session.sync_timeout = SYNC_WITHIN
+    options, marker = HOLD[session.case.backend.engine]
+    trainer = session.pool.trainer(session.server_cfg, session.trainer_spec(options))
     outcome: dict[str, Any] = {}
 
     def sync() -> None:
         try:
-            harness.sync(options=options)
+            session.sync(options=options)
             outcome["result"] = "completed"
         except BaseException as e:  # surfaced below
             outcome["error"], outcome["at"] = e, time.monotonic()
@@ -452,28 +452,28 @@ def test_a_trainer_killed_mid_update_is_reported_and_recoverable(harness):
     assert isinstance(err, TrainerError), f"expected a TrainerError, got {outcome}"
     reported = outcome["at"] - killed
     notes = "\n".join(getattr(err, "__notes__", []))
-    harness.record(reported_after=round(reported, 2), error=first_line(err), server=notes)
+    session.record(reported_after=round(reported, 2), error=first_line(err), server=notes)
     assert reported < REPORTED_WITHIN, f"reported {reported:.1f}s after the death"
     assert "killed by signal 9" in str(err), err
     assert notes.startswith("server "), f"the error does not say how the server is: {notes!r}"
     # cleaned up: no trainer process, no scratch directory left
     assert not trainer.alive() and not faults_pid_alive(pid), "the killed trainer lingers"
     assert scratch is not None and not scratch.exists(), f"{scratch} was left behind"
-    assert_alive(harness, "the trainer's death")  # and the note said so
+    assert_alive(session, "the trainer's death")  # and the note said so
     assert "process alive" in notes, notes
     # Does a complete sync by a new trainer restore parity? Not on vLLM 0.32 (the dead
     # trainer's update is still open); the harness's way out is /finish, then a sync.
-    harness.pool.drop_trainers(harness.server_cfg)
+    session.pool.drop_trainers(session.server_cfg)
     try:
-        harness.sync()
+        session.sync()
         plain = "restored"
     except TrainerError as e:
         plain = first_line(e)
-        closed = probe(harness, "POST", FINISH, json={})
-        harness.record(finish_after_death=closed.status)
-        harness.sync()
-    assert_parity(harness, ref)
-    harness.record(complete_sync_after_death=plain)
+        closed = probe(session, "POST", FINISH, json={})
+        session.record(finish_after_death=closed.status)
+        session.sync()
+    assert_parity(session, ref)
+    session.record(complete_sync_after_death=plain)
     assert plain == "restored", (
         f"after the trainer died mid-update, a complete sync was refused: {plain}; only "
         "/finish_weight_update, then a sync, restored parity")
@@ -506,13 +506,13 @@ SLACK = 64 << 20
 COPIES = 2
 
 
-def _memory_rounds(harness, rounds: int, options: dict | None = None) -> dict:
+def _memory_rounds(session, rounds: int, options: dict | None = None) -> dict:
     """``rounds`` syncs; after each, the server tree's RSS and GPU memory."""
-    pids = harness.server.pids()
+    pids = session.server.pids()
     rss, gpu, seconds, moved = [], [], [], 0
     for _ in range(rounds):
         t0 = time.monotonic()
-        moved = harness.sync(options=options)["bytes"]
+        moved = session.sync(options=options)["bytes"]
         seconds.append(round(time.monotonic() - t0, 3))
         rss.append(faults.tree_rss(pids))
         gpu.append(faults.gpu_memory(pids))
@@ -520,18 +520,18 @@ def _memory_rounds(harness, rounds: int, options: dict | None = None) -> dict:
     host = faults.growth(rss, bound=bound, warmup=WARMUP)
     dev = faults.growth(gpu, bound=bound, warmup=WARMUP) if all(g is not None for g in gpu) \
         else None
-    harness.record(rss_per_round=rss, gpu_memory_per_round=gpu, sync_seconds_per_round=seconds,
+    session.record(rss_per_round=rss, gpu_memory_per_round=gpu, sync_seconds_per_round=seconds,
                    bytes_per_sync=moved, bound=bound, rss_growth=host.growth,
                    gpu_growth=dev.growth if dev else None)
     return {"host": host, "gpu": dev}
 
 
 @pytest.mark.models(MEMORY_MODEL)
-def test_repeated_syncs_do_not_grow_memory(harness):
+def test_repeated_syncs_do_not_grow_memory(session):
     """50 syncs through the persistent trainer: neither the server's host memory nor its
     GPU memory may grow by more than two copies of one sync (plus slack). The model's
     values are random (a sized model): this test judges memory, not parity."""
-    got = _memory_rounds(harness, ROUNDS)
+    got = _memory_rounds(session, ROUNDS)
     assert got["host"].ok, got["host"].describe("server RSS (whole process tree)")
     if got["gpu"] is not None:
         assert got["gpu"].ok, got["gpu"].describe("server GPU memory")
@@ -541,19 +541,19 @@ def test_repeated_syncs_do_not_grow_memory(harness):
 @pytest.mark.breaks_server
 @pytest.mark.backends("shm")
 @pytest.mark.models(MEMORY_MODEL)
-def test_the_memory_check_fails_on_a_server_that_keeps_every_update(harness):
+def test_the_memory_check_fails_on_a_server_that_keeps_every_update(session):
     """The check above, against a server that keeps a copy of every update (the shm
     engine's deliberate leak, on the model's device: host memory on a CPU layout, GPU
     memory on a GPU one): it must fail. The server is stopped afterwards."""
-    harness.pool.drop_trainers(harness.server_cfg)  # the leaking trainer inits anew
-    harness.pool.set_holding(harness.server_cfg, State.CORRUPTED, None)
+    session.pool.drop_trainers(session.server_cfg)  # the leaking trainer inits anew
+    session.pool.set_holding(session.server_cfg, State.CORRUPTED, None)
     try:
-        got = _memory_rounds(harness, WARMUP + 10, options={"retain_updates": True})
+        got = _memory_rounds(session, WARMUP + 10, options={"retain_updates": True})
     finally:
-        harness.pool.discard(harness.server_cfg, "the memory self-test left it holding a "
+        session.pool.discard(session.server_cfg, "the memory self-test left it holding a "
                                                  "copy of every update")
-    judged = got["gpu"] if harness.case.layout.server_gpus else got["host"]
-    harness.record(leak_detected=not judged.ok, judged=judged.describe())
+    judged = got["gpu"] if session.case.layout.server_gpus else got["host"]
+    session.record(leak_detected=not judged.ok, judged=judged.describe())
     assert not judged.ok, ("a server that keeps a copy of every update passed the memory "
                            f"check: {judged.describe()}")
 
@@ -561,14 +561,14 @@ def test_the_memory_check_fails_on_a_server_that_keeps_every_update(harness):
 # ----------------------------------------------------------------------------- 6. exposure
 
 @pytest.mark.backends("shm", "ipc-packed", "ipc-unpacked")
-def test_the_server_listens_only_on_loopback(harness):
+def test_the_server_listens_only_on_loopback(session):
     """The harness starts servers on 127.0.0.1 (an ``--host`` in extra_args would
     override it); nothing in the server's process tree may listen elsewhere. (NCCL
     workers that joined a group also listen where NCCL chooses: recorded by
     test_nccl_rendezvous_listens_where_it_was_told.)"""
-    sockets = faults.listeners(harness.server.pids())
-    harness.record(listening=[str(x) for x in sockets],
-                   insecure_serialization=harness.server_cfg.insecure_serialization)
+    sockets = faults.listeners(session.server.pids())
+    session.record(listening=[str(x) for x in sockets],
+                   insecure_serialization=session.server_cfg.insecure_serialization)
     assert sockets, "found no listening socket at all (cannot judge)"
     wide = [x for x in sockets if not faults.is_loopback(x.address)]
     if not wide:
@@ -577,7 +577,7 @@ def test_the_server_listens_only_on_loopback(harness):
     # rendezvous (vLLM logs its distributed_init_method), and what a connection finds.
     # the whole log: vLLM logs its distributed_init_method once, early in the start, and a
     # tail of a long-lived server no longer holds it (missed on 1 x H200, 0.26.0)
-    path = harness.server.log_path
+    path = session.server.log_path
     log = path.read_text(errors="replace") if path and path.exists() else ""
     found = []
     for x in wide:
@@ -585,22 +585,22 @@ def test_the_server_listens_only_on_loopback(harness):
                 if re.search(rf"distributed_init_method=tcp://[^\s:]+:{x.port}\b", log)
                 else "not vLLM's logged distributed_init_method")
         found.append(f"{x}: {what}; from loopback it {faults.answers_on(x.port)}")
-    harness.record(wide=found)
+    session.record(wide=found)
     raise AssertionError("the server listens beyond loopback:\n  " + "\n  ".join(found))
 
 
 @pytest.mark.backends("nccl-packed", "nccl-unpacked")
-def test_nccl_rendezvous_listens_where_it_was_told(harness):
+def test_nccl_rendezvous_listens_where_it_was_told(session):
     """The trainer's rendezvous (TCPStore) listens on master_address, 127.0.0.1 by
     default; NCCL's own bootstrap sockets are recorded (to be judged on GPU)."""
-    harness.ensure_holds()
-    trainer = harness.pool.trainer(harness.server_cfg, harness.trainer_spec())
-    result = harness.sync()
+    session.ensure_holds()
+    trainer = session.pool.trainer(session.server_cfg, session.trainer_spec())
+    result = session.sync()
     sockets = faults.listening([trainer.pid])
     port = result.get("master_port")
-    harness.record(trainer_listening=[f"{a}:{p}" for a, p in sockets], master_port=port,
+    session.record(trainer_listening=[f"{a}:{p}" for a, p in sockets], master_port=port,
                    server_listening=[f"{a}:{p}" for a, p in
-                                     faults.listening(harness.server.pids())])
+                                     faults.listening(session.server.pids())])
     store = [a for a, p in sockets if p == port]
     assert all(faults.is_loopback(a) for a in store), f"TCPStore listens on {store}"
 
@@ -608,48 +608,48 @@ def test_nccl_rendezvous_listens_where_it_was_told(harness):
 # ----------------------------------------------------------------------------- may break the server
 
 @pytest.mark.breaks_server
-def test_a_second_init_cuts_off_the_first_trainer_cleanly(harness):
+def test_a_second_init_cuts_off_the_first_trainer_cleanly(session):
     """Another trainer initialises the engine again; the first one's next sync must
     fail within its bound (or work), and a new trainer must restore parity."""
-    harness.ensure_holds()
-    ref = harness.reference()
-    harness.sync_timeout = SYNC_WITHIN
-    unknown_weights(harness)
-    harness.sync(fresh_trainer=True)          # a second trainer: init again, then gone
+    session.ensure_holds()
+    ref = session.reference()
+    session.sync_timeout = SYNC_WITHIN
+    unknown_weights(session)
+    session.sync(fresh_trainer=True)          # a second trainer: init again, then gone
     t0 = time.monotonic()
     try:
-        harness.sync()                        # the first trainer, on its old group or root
+        session.sync()                        # the first trainer, on its old group or root
         first = "succeeded"
     except TrainerError as e:
         first = first_line(e)
     elapsed = time.monotonic() - t0
-    harness.record(first_trainer_after_second_init=first, seconds=round(elapsed, 2))
+    session.record(first_trainer_after_second_init=first, seconds=round(elapsed, 2))
     assert elapsed < SYNC_WITHIN
-    assert_alive(harness, "a second /init_weight_transfer_engine")
-    repair(harness)
-    assert_parity(harness, ref)
+    assert_alive(session, "a second /init_weight_transfer_engine")
+    repair(session)
+    assert_parity(session, ref)
 
 
 @pytest.mark.breaks_server
-def test_an_update_the_model_cannot_take_leaves_later_updates_working(harness):
+def test_an_update_the_model_cannot_take_leaves_later_updates_working(session):
     """One tensor of a shape the model does not have, its update info agreeing with
     it (corrupt="narrow"): the update must be refused, and later complete syncs must
     still work. On vLLM 0.32 the refused load leaves the layerwise reload in a state
     where every later update fails (known issue wrong-shape-breaks-later-updates)."""
-    harness.ensure_holds()
-    harness.sync_timeout = SYNC_WITHIN
+    session.ensure_holds()
+    session.sync_timeout = SYNC_WITHIN
     with pytest.raises(TrainerError) as e:
-        harness.sync(corrupt="narrow")
-    harness.record(refusal=first_line(e.value))
-    assert_alive(harness, "an update of the wrong shape")
+        session.sync(corrupt="narrow")
+    session.record(refusal=first_line(e.value))
+    assert_alive(session, "an update of the wrong shape")
     later = []
     for _ in range(3):
-        probe(harness, "POST", FINISH, json={})
+        probe(session, "POST", FINISH, json={})
         try:
-            harness.sync()
+            session.sync()
             later.append("ok")
         except TrainerError as err:
             later.append(first_line(err))
-    harness.record(later_syncs=later)
+    session.record(later_syncs=later)
     assert later == ["ok"] * 3, f"complete syncs after the refused update: {later}"
-    assert_parity(harness, harness.reference())
+    assert_parity(session, session.reference())

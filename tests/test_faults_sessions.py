@@ -57,8 +57,8 @@ SLOW_SYNC = '''
 import pytest
 
 @pytest.mark.backends("shm")
-def test_a_slow_sync(harness):
-    harness.sync(options={"bucket_bytes": 1 << 20, "bucket_delay_s": 120.0})
+def test_a_slow_sync(session):
+    session.sync(options={"bucket_bytes": 1 << 20, "bucket_delay_s": 120.0})
 '''
 
 INTERRUPTED = '''
@@ -67,16 +67,16 @@ import pytest
 pytestmark = pytest.mark.backends("shm")
 
 
-def test_passes(harness):
-    harness.sync()
+def test_passes(session):
+    session.sync()
 
 
-def test_fails_on_purpose(harness):
+def test_fails_on_purpose(session):
     assert False, "DELIBERATE FAILURE: the session goes on, and must still leave nothing"
 
 
-def test_a_slow_sync(harness):
-    harness.sync(options={"bucket_bytes": 1 << 20, "bucket_delay_s": 120.0})
+def test_a_slow_sync(session):
+    session.sync(options={"bucket_bytes": 1 << 20, "bucket_delay_s": 120.0})
 '''
 
 NEXT_RUN = '''
@@ -107,16 +107,16 @@ ROUTES = [
 ]
 
 
-def test_a_keyed_sync_reaches_parity(harness):
-    ref = harness.reference()
-    harness.sync()
-    r = harness.compare(ref)
+def test_a_keyed_sync_reaches_parity(session):
+    ref = session.reference()
+    session.sync()
+    r = session.compare(ref)
     parity.assert_greedy_equal(r)
     parity.assert_logprobs_close(r)
 
 
-def test_who_may_touch_the_weights(harness):
-    url, routes = harness.server.url, set(harness.client.routes())
+def test_who_may_touch_the_weights(session):
+    url, routes = session.server.url, set(session.client.routes())
     table = {}
     for method, route, kw in ROUTES:
         if route not in routes:
@@ -125,21 +125,21 @@ def test_who_may_touch_the_weights(harness):
         wrong = faults.probe(url, method, route, api_key="not-the-key", timeout=60, **kw)
         table[f"{method} {route}"] = {"without key": without.status, "wrong key": wrong.status,
                                       "answer": without.body[:160]}
-    with_key = faults.probe(url, "GET", "/v1/models", api_key=harness.server_cfg.api_key)
+    with_key = faults.probe(url, "GET", "/v1/models", api_key=session.server_cfg.api_key)
     # a trainer that has no key: can it replace the weights?
     try:
-        run_trainer(harness.trainer_spec(), harness.model_path, timeout=120, api_key=None,
-                    log_dir=harness.pool.log_dir)
+        run_trainer(session.trainer_spec(), session.model_path, timeout=120, api_key=None,
+                    log_dir=session.pool.log_dir)
         outsider = "succeeded"
     except TrainerError as e:
         outsider = str(e).splitlines()[0][:300]
-    harness.pool.drop_trainers(harness.server_cfg)  # the outsider initialised the engine
-    harness.sync()
-    harness.record(api_key_table=table, with_key=with_key.status, unauthenticated_sync=outsider)
+    session.pool.drop_trainers(session.server_cfg)  # the outsider initialised the engine
+    session.sync()
+    session.record(api_key_table=table, with_key=with_key.status, unauthenticated_sync=outsider)
 
 
-def test_fails_on_purpose(harness):
-    harness.ensure_holds()
+def test_fails_on_purpose(session):
+    session.ensure_holds()
     assert False, "DELIBERATE FAILURE: the session must still end with nothing running"
 
 
@@ -150,32 +150,32 @@ def _wait_exit(server, seconds):
     return server.exit_code()
 
 
-def test_the_server_dies(harness):
+def test_the_server_dies(session):
     """A client opens an update, sends one that fails and, without repairing it, asks
     for a completion. vLLM 0.32's engine dies of it (known issue
     failed-update-leaves-reload-open). Whatever vLLM does, the server ends up dead
     (SIGKILL if it survived): the test after this one must fail with that cause."""
-    harness.ensure_holds()
-    url, key = harness.server.url, harness.server_cfg.api_key
+    session.ensure_holds()
+    url, key = session.server.url, session.server_cfg.api_key
     start = faults.probe(url, "POST", "/start_weight_update", api_key=key, json={})
     bad = faults.probe(url, "POST", "/update_weights", api_key=key,
                        json={"update_info": {"no_such_field": 1}})
-    prompt = harness.reference().prompts[0].prompt_ids
+    prompt = session.reference().prompts[0].prompt_ids
     try:
-        c = harness.client.complete(prompt, max_tokens=4, timeout=60)
+        c = session.client.complete(prompt, max_tokens=4, timeout=60)
         completion = f"answered ({len(c.token_ids)} tokens)"
     except Exception as e:
         completion = str(e).splitlines()[0][:300]
-    by_itself = _wait_exit(harness.server, 10)
+    by_itself = _wait_exit(session.server, 10)
     if by_itself is None:
-        os.kill(harness.server.proc.pid, signal.SIGKILL)
-        _wait_exit(harness.server, 30)
-    harness.record(start=start.status, failed_update=bad.status, completion=completion,
-                   died_by_itself=by_itself, exit_code=harness.server.exit_code())
+        os.kill(session.server.proc.pid, signal.SIGKILL)
+        _wait_exit(session.server, 30)
+    session.record(start=start.status, failed_update=bad.status, completion=completion,
+                   died_by_itself=by_itself, exit_code=session.server.exit_code())
 
 
-def test_after_the_death(harness):
-    harness.record(reached=True)  # never: the fixture must fail with the death's cause
+def test_after_the_death(session):
+    session.record(reached=True)  # never: the fixture must fail with the death's cause
 '''
 
 

@@ -84,8 +84,8 @@ def test_fp8_gibberish_then_within_the_bound(synced):
 
 
 @pytest.mark.twin
-def test_fp8_twin_bit_identical(synced, harness):
-    s = harness
+def test_fp8_twin_bit_identical(synced, session):
+    s = session
     s.ensure_holds()
     report, vs_hf = twin_report(s, synced.reference)
     assert_sane(vs_hf, "the fp8 twin")
@@ -93,11 +93,11 @@ def test_fp8_twin_bit_identical(synced, harness):
 
 
 @pytest.mark.twin
-def test_fp8_server_takes_fp32_master_weights(harness):
+def test_fp8_server_takes_fp32_master_weights(session):
     """The trainer holds fp32 (master weights) and sends them as they are: the server
     casts to its bf16 and quantizes; the twin, loading the same checkpoint, must agree
     bit for bit."""
-    s = harness
+    s = session
     s.sync(s.perturbed(SELFTEST_SEED))  # so the fp32 sync has everything to change
     result = s.sync(trainer_dtype="float32")
     s.record(trainer_dtype="float32", sync_bytes_fp32=result.get("bytes"))
@@ -106,11 +106,11 @@ def test_fp8_server_takes_fp32_master_weights(harness):
 
 
 @pytest.mark.twin
-def test_fp8_repeated_syncs_requantize(harness):
+def test_fp8_repeated_syncs_requantize(session):
     """Rounds with different weights, the last one the model: each round within the
     bound of its own reference and different from the round before (an update taken
     but not requantized leaves the old fp8 values), the last bit for bit the twin."""
-    s = harness
+    s = session
     probe = s.reference()
     plan = [s.perturbed(seed) for seed in ROUND_SEEDS] + [s.model_path]
     rounds, before = [], None
@@ -137,8 +137,8 @@ def test_fp8_repeated_syncs_requantize(harness):
 
 @pytest.mark.selftest
 @pytest.mark.twin
-def test_fp8_twin_check_sees_a_skipped_tensor(harness):
-    s = harness
+def test_fp8_twin_check_sees_a_skipped_tensor(session):
+    s = session
     s.sync(s.perturbed(SELFTEST_SEED))
     result = s.sync(corrupt="drop", corrupt_target=DROPPED)
     s.record(corruption=result.get("corruption"))

@@ -42,10 +42,10 @@ LONG_TOKENS = 200   # still generating when /pause arrives after the first token
 
 
 @pytest.fixture
-def frontends(harness):
+def frontends(session):
     """The server's API servers, each with three clients pinned to it (one for the
     control plane, two for requests held or in flight meanwhile)."""
-    s = harness
+    s = session
     assert s.server_cfg.api_server_count == API_SERVERS
     fronts = pinned_clients(s.client, s.server.pids, API_SERVERS, per_frontend=3)
     s.record(api_server_pids=[f.pid for f in fronts],
@@ -110,13 +110,13 @@ def _held_scoring(client, pr, out: dict, key) -> threading.Thread:
     return t
 
 
-def test_each_api_server_answers_on_its_own_connection(harness, frontends):
+def test_each_api_server_answers_on_its_own_connection(session, frontends):
     pids = {f.pid for f in frontends}
     assert len(pids) == API_SERVERS, f"API server processes seen: {pids}"
-    assert pids <= set(harness.server.pids())
+    assert pids <= set(session.server.pids())
     for f in frontends:
         for c in f.clients:
-            assert c.health() and c.model() == harness.client.model()
+            assert c.health() and c.model() == session.client.model()
             assert not c.is_paused()
             assert c.session.pid == f.pid
 
@@ -146,14 +146,14 @@ def check_pause_is_shared(a, b, held_client, prompt: list[int]) -> None:
     assert c.finish_reason == "length" and len(c.token_ids) == 4, c
 
 
-def test_pause_through_one_is_seen_and_lifted_through_the_other(harness, frontends):
+def test_pause_through_one_is_seen_and_lifted_through_the_other(session, frontends):
     a, b = frontends
     check_pause_is_shared(a.client, b.client, b.clients[1],
-                          harness.reference().prompts[0].prompt_ids)
+                          session.reference().prompts[0].prompt_ids)
 
 
 @pytest.mark.selftest
-def test_pause_check_fails_when_the_frontends_do_not_share_the_pause(harness, frontends):
+def test_pause_check_fails_when_the_frontends_do_not_share_the_pause(session, frontends):
     """The check above, with B replaced by a frontend of another engine (the stand-in
     server of harness/standin.py, which keeps its own pause state): it must fail."""
     a, _ = frontends
@@ -248,14 +248,14 @@ def check_sync_across_frontends(s, a, b, seeds: tuple[int, int], *,
 
 
 @pytest.mark.parity
-def test_sync_with_requests_in_flight_through_both_then_parity_through_both(harness,
+def test_sync_with_requests_in_flight_through_both_then_parity_through_both(session,
                                                                             frontends):
-    check_sync_across_frontends(harness, *frontends, SEEDS)
+    check_sync_across_frontends(session, *frontends, SEEDS)
 
 
 @pytest.mark.selftest
-def test_the_held_request_check_sees_a_resume_before_the_sync(harness, frontends):
+def test_the_held_request_check_sees_a_resume_before_the_sync(session, frontends):
     """The check above, broken on purpose: /resume through B comes before the sync,
     so the request held through B runs on the old weights; it must fail."""
     with pytest.raises(AssertionError, match="requests held through B across the sync"):
-        check_sync_across_frontends(harness, *frontends, SEEDS_SELFTEST, resume_first=True)
+        check_sync_across_frontends(session, *frontends, SEEDS_SELFTEST, resume_first=True)

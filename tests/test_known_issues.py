@@ -109,19 +109,19 @@ def test_shm_engine_update_weights_without_accelerator(tmp_path):
 
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-def test_partial_update_keeps_unsent_weights(harness):
+def test_partial_update_keeps_unsent_weights(session):
     """A sync that leaves one tensor out must leave that tensor as it was. Known issue
     partial-fused-update-uninitialized-shard: for llama the left-out q_proj is one shard
     of the fused qkv_proj; layerwise reload rebuilds the layer from fresh memory and
     loads only the k/v shards it received, so q holds whatever that memory held."""
-    from harness import parity
+    from session import parity
 
-    ref = harness.reference()
-    harness.sync()                      # the full model: parity
-    full = harness.compare(ref)
+    ref = session.reference()
+    session.sync()                      # the full model: parity
+    full = session.compare(ref)
     parity.assert_logprobs_close(full)
-    result = harness.sync(corrupt="drop")   # the same weights, minus one tensor
+    result = session.sync(corrupt="drop")   # the same weights, minus one tensor
     assert result["corruption"].startswith("dropped model.layers.1.self_attn.q_proj")
-    after = harness.compare(ref)  # garbage holding NaN/inf raises parity.NonFiniteOutput
-    harness.record(**{f"partial_{k}": v for k, v in after.metrics().items()})
+    after = session.compare(ref)  # garbage holding NaN/inf raises parity.NonFiniteOutput
+    session.record(**{f"partial_{k}": v for k, v in after.metrics().items()})
     parity.assert_logprobs_close(after)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import parity
+from harness import flow, parity
 
 pytestmark = pytest.mark.parity
 
@@ -76,10 +76,10 @@ def within_tolerance(report: parity.ParityReport) -> bool:
             and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
 
 
-def long_reference(harness, weights_dir):
-    ref = harness.reference(weights_dir, prompts=(LONG_PROMPT,), max_tokens=LONG_MAX_TOKENS)
+def long_reference(session, weights_dir):
+    ref = session.reference(weights_dir, prompts=(LONG_PROMPT,), max_tokens=LONG_MAX_TOKENS)
     n = len(ref.prompts[0].prompt_ids)
-    assert n >= LONG_MIN_TOKENS, (f"the long prompt is {n} tokens with {harness.case.model}'s "
+    assert n >= LONG_MIN_TOKENS, (f"the long prompt is {n} tokens with {session.case.model}'s "
                                   f"tokenizer; it must span at least two KV blocks")
     return ref
 
@@ -106,8 +106,8 @@ def test_architecture_parity(synced, request):
 
 # ----------------------------------------------------------------------------- 4: twin
 
-def _twin_check(synced, harness, request):
-    s, ref = harness, synced.reference
+def _twin_check(synced, session, request):
+    s, ref = session, synced.reference
     # The server must hold what the seed flow synced; another test (or a restart) may
     # have changed its weights since.
     s.ensure_holds()
@@ -137,39 +137,39 @@ def _twin_check(synced, harness, request):
 @pytest.mark.twin
 @pytest.mark.models(*ARCHITECTURES)
 @pytest.mark.dtypes("bfloat16")
-def test_disk_loaded_twin_bit_identical_bf16(synced, harness, request):
+def test_disk_loaded_twin_bit_identical_bf16(synced, session, request):
     """bfloat16, every architecture: the Hugging Face tolerance is loose in bf16, so the
     twin (tolerance 0) is the check that would see a lossy transport."""
-    _twin_check(synced, harness, request)
+    _twin_check(synced, session, request)
 
 
 @pytest.mark.twin
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
 @pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
-def test_disk_loaded_twin_bit_identical_fp32(synced, harness, request):
-    _twin_check(synced, harness, request)
+def test_disk_loaded_twin_bit_identical_fp32(synced, session, request):
+    _twin_check(synced, session, request)
 
 
 # ----------------------------------------------------------------------------- 5: repeated syncs
 
 @pytest.mark.models("llama")
 @pytest.mark.dtypes(*DTYPES)
-def test_repeated_syncs_last_one_wins(harness):
+def test_repeated_syncs_last_one_wins(session):
     """Several rounds with different weights; after each, parity with that round's
     reference, and the previous round's reference no longer matches. A long prompt sent
     before each sync and repeated after it must reflect the new weights (the default
     /pause clears the prefix cache)."""
-    s = harness
+    s = session
     previous = None
     rounds = []
     for i, seed in enumerate(REPEAT_SEEDS):
         weights = s.perturbed(seed)
         ref, long_ref = s.reference(weights), long_reference(s, weights)
-        parity.observe_generation(s.client, long_ref)  # fills the prefix cache
+        flow.observe_generation(s.client, long_ref)  # fills the prefix cache
         s.sync(weights)
         report = s.compare(ref)
-        long_report = parity.compare_generation(parity.observe_generation(s.client, long_ref),
+        long_report = parity.compare_generation(flow.observe_generation(s.client, long_ref),
                                                 long_ref, decode=s.decode)
         rounds.append({"round": i, "seed": seed, "max_abs_dlogprob": report.max_abs,
                        "topk_max_abs_dlogprob": report.topk_max_abs,
@@ -194,17 +194,17 @@ def test_repeated_syncs_last_one_wins(harness):
 @pytest.mark.dtypes("float32")
 @pytest.mark.parametrize("clear_cache", [True, False], ids=["clear_cache=true",
                                                              "clear_cache=false"])
-def test_prefix_cache_after_sync(harness, request, clear_cache):
+def test_prefix_cache_after_sync(session, request, clear_cache):
     """A prompt sent before the sync and repeated after it, with /pause's cache clearing
     on and off: the repeat must be computed with the new weights."""
-    s = harness
+    s = session
     if "clear_cache" not in pause_params(s.client):
         pytest.skip(f"vLLM {s.server.version}: POST /pause has no clear_cache parameter "
                     "(per /openapi.json); the default pause is covered by "
                     "test_repeated_syncs_last_one_wins")
     weights = s.perturbed(PREFIX_SEEDS[clear_cache])
     long_ref = long_reference(s, weights)
-    before = parity.compare_generation(parity.observe_generation(s.client, long_ref), long_ref)
+    before = parity.compare_generation(flow.observe_generation(s.client, long_ref), long_ref)
     assert not within_tolerance(before), (
         "precondition: the server already computes the new weights' logprobs before the "
         f"sync ({before.summary()}); a stale cache could not be seen")
@@ -213,7 +213,7 @@ def test_prefix_cache_after_sync(harness, request, clear_cache):
         s.sync(weights, pause=False)
     finally:
         s.client.resume()
-    after = parity.compare_generation(parity.observe_generation(s.client, long_ref), long_ref,
+    after = parity.compare_generation(flow.observe_generation(s.client, long_ref), long_ref,
                                       decode=s.decode)
     s.record(clear_cache=clear_cache, before_greedy_match=before.greedy_match_fraction,
              after_greedy_match=after.greedy_match_fraction,
@@ -231,8 +231,8 @@ def test_prefix_cache_after_sync(harness, request, clear_cache):
 # that case runs after every other test on its server
 @pytest.mark.parametrize("corruption", ["drop", "scale", "swap", "nothing",
                                         pytest.param("nan", marks=pytest.mark.breaks_server)])
-def test_parity_detects_corrupted_update(harness, corruption):
-    s = harness
+def test_parity_detects_corrupted_update(session, corruption):
+    s = session
     ref = s.reference()
     # First make the server hold weights different from the reference in every tensor:
     # otherwise a dropped tensor (or an update that sends nothing) keeps a correct old

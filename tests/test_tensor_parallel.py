@@ -31,16 +31,16 @@ def test_every_rank_takes_the_first_update(synced):
     parity.assert_greedy_equal(r)
 
 
-def test_every_rank_takes_every_later_update(harness):
+def test_every_rank_takes_every_later_update(session):
     """Three more rounds with different weights through the same group: a rank that
     took only the first update would still hold round one's weights in round three."""
     for i, seed in enumerate((701, 702, 703)):
-        weights = harness.perturbed(seed)
-        ref = harness.reference(weights)
-        harness.sync(weights)
-        r = harness.compare(ref)
-        harness.record(**{f"round{i + 1}_max_abs_dlogprob": r.max_abs})
+        weights = session.perturbed(seed)
+        ref = session.reference(weights)
+        session.sync(weights)
+        r = session.compare(ref)
+        session.record(**{f"round{i + 1}_max_abs_dlogprob": r.max_abs})
         try:
-            parity.assert_logprobs_close(r, decode=harness.decode)
+            parity.assert_logprobs_close(r, decode=session.decode)
         except AssertionError as e:
             raise AssertionError(f"round {i + 1}: {e}") from None

@@ -419,13 +419,13 @@ def _checksums(s) -> dict | None:
 @pytest.mark.models("opt")
 @pytest.mark.dtypes("float32", "bfloat16")
 @pytest.mark.trainers("vllm")
-def test_seed_model_through_module_source(synced, harness, request):
+def test_seed_model_through_module_source(synced, session, request):
     """The seeds' model class, OPT with tied embeddings, pushed by vLLM's trainer code:
     what ModuleSource sent (against the harness path's list for the same directory),
     and what the server ends up with: its outputs (and, where /weight_checker exists,
     every parameter's digest) after vLLM's code and after the harness's code push the
     same weights are the same, bit for bit."""
-    s, sent = harness, synced.trainer
+    s, sent = session, synced.trainer
     d = s.pool.trainer(s.server_cfg, s.trainer_spec()).describe(s.model_path)
     expected = [n for n, _, _ in d["harness"]]
     missing = sorted(set(expected) - set(sent["sent_names"]))
@@ -471,11 +471,11 @@ def test_seed_model_parity_via_vllm(synced):
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
 @pytest.mark.trainers("vllm")
-def test_parity_catches_a_source_that_leaves_out_a_parameter(harness):
+def test_parity_catches_a_source_that_leaves_out_a_parameter(session):
     """A ModuleSource that loses one parameter (deliberately: corrupt="drop" on the
     vllm path) leaves the server's copy stale; the parity checks must say so, naming
     the position and both logprobs."""
-    s = harness
+    s = session
     ref = s.reference()
     # Every tensor differs from the reference now; so will the one left out next.
     full = s.sync(s.perturbed(SELFTEST_SEED))
@@ -498,14 +498,14 @@ def test_parity_catches_a_source_that_leaves_out_a_parameter(harness):
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
 @pytest.mark.trainers("vllm")
-def test_a_users_bad_input_as_each_client_reports_it(harness):
+def test_a_users_bad_input_as_each_client_reports_it(session):
     """A trainer that builds its source over ``torch.compile(model)`` sends every name
     prefixed ``_orig_mod.``; the server refuses the update. What the user then reads:
     the harness's client names the route, the request and the server's reason; vLLM's
     client raises requests' HTTPError, whose message is the status line and URL only
     (known issue weight-sync-client-errors-lack-the-cause). Each failed update is repaired
     by a complete sync before anything else (known issue failed-update-leaves-reload-open)."""
-    s = harness
+    s = session
     s.ensure_holds()
     seen = {}
     for code in ("harness", "vllm"):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from harness import bench, benchfile, layouts, models
+from harness import bench, bench_view, benchfile, layouts, measure, models
 
 
 # ----------------------------------------------------------------------------- input
@@ -194,13 +194,13 @@ def _doc():
 
 
 def test_the_table_shows_rate_limit_ratio_phases_and_failures():
-    text = bench.render_table(_doc())
+    text = bench_view.render_table(_doc())
     assert "vLLM 0.32.0, bfloat16, CPU only" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("shm ") and "0.250 [" in ln)
     assert "0.40" in row and "10.0" in row and "4.0%" in row  # 0.1 GB / 0.25 s of 10 GB/s
     assert "limit host: host memory copy: 0.1 GB 10.0 GB/s" in text
     assert "FAILED shm 0.5 GB: TrainerError: it broke" in text
-    assert max(len(ln) for ln in text.splitlines()) <= bench.WIDTH
+    assert max(len(ln) for ln in text.splitlines()) <= bench_view.WIDTH
 
 
 def test_files_round_trip_and_foreign_files_are_refused(tmp_path):
@@ -217,7 +217,7 @@ def test_files_round_trip_and_foreign_files_are_refused(tmp_path):
 
 
 def test_the_plot_draws_each_backend_and_each_raw_limit(tmp_path):
-    series = bench.plot_series(_doc())
+    series = bench_view.plot_series(_doc())
     shm = series["backends"]["shm"]
     assert shm["x"] == [0.1] and shm["y"] == [pytest.approx(0.4)]
     assert shm["lo"] == [pytest.approx(0.4 - 0.1 / 0.3)]
@@ -225,7 +225,7 @@ def test_the_plot_draws_each_backend_and_each_raw_limit(tmp_path):
     assert shm["ratio"] == [(0.1, pytest.approx(4.0))]
     assert series["limits"] == {"host": {"x": [0.1], "y": [10.0]}}
     pytest.importorskip("matplotlib")
-    png = bench.write_plot(_doc(), tmp_path / "bench.png")
+    png = bench_view.write_plot(_doc(), tmp_path / "bench.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -262,8 +262,8 @@ def test_server_memory_is_the_peak_above_the_baseline_of_its_processes(monkeypat
     mib = 1 << 20
     fake = _FakeNvml([({10: 1000 * mib, 99: 5 * mib}, 0), ({10: 1500 * mib, 99: 9 * mib}, 0),
                       ({10: 1100 * mib, 99: 5 * mib}, 0)])
-    monkeypatch.setattr(bench, "_nvml", lambda: fake)
-    m = bench.ServerMemory((0,), lambda: {10, 11}, interval=1e9)  # the thread never samples
+    monkeypatch.setattr(measure, "nvml", lambda: fake)
+    m = measure.ServerMemory((0,), lambda: {10, 11}, interval=1e9)  # the thread never samples
     m.start()
     m.peak = max(m.peak, m.read())  # the sampling thread's one reading, made here
     got = m.stop()
@@ -273,8 +273,8 @@ def test_server_memory_is_the_peak_above_the_baseline_of_its_processes(monkeypat
 
 def test_server_memory_falls_back_to_the_device_where_nvml_hides_the_processes(monkeypatch):
     fake = _FakeNvml([({}, 1000), ({}, 4000), ({}, 1000)])
-    monkeypatch.setattr(bench, "_nvml", lambda: fake)
-    m = bench.ServerMemory((0,), lambda: {10}, interval=1e9)  # the thread never samples
+    monkeypatch.setattr(measure, "nvml", lambda: fake)
+    m = measure.ServerMemory((0,), lambda: {10}, interval=1e9)  # the thread never samples
     m.start()
     m.peak = max(m.peak, m.read())
     got = m.stop()
@@ -282,8 +282,8 @@ def test_server_memory_falls_back_to_the_device_where_nvml_hides_the_processes(m
 
 
 def test_a_cpu_server_has_no_gpu_memory(monkeypatch):
-    monkeypatch.setattr(bench, "_nvml", lambda: pytest.fail("NVML asked for a CPU server"))
-    m = bench.ServerMemory((), lambda: {1})
+    monkeypatch.setattr(measure, "nvml", lambda: pytest.fail("NVML asked for a CPU server"))
+    m = measure.ServerMemory((), lambda: {1})
     m.start()
     got = m.stop()
     assert got["server_peak_extra_bytes"] is None and got["server_memory_method"] is None

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from harness import diff
+from harness import diff, diff_bench, text
 
 
 def _case(backend, size_gb, gbps, *, layout="2gpu-split", ratio=None, error=None):
@@ -43,7 +43,7 @@ def test_a_drop_beyond_the_threshold_is_a_regression_a_smaller_one_is_not():
     b["cases"][0]["summary"]["gbps"] = 6.0    # nccl-packed 1 GB: -50%
     b["cases"][1]["summary"]["gbps"] = 12.6   # nccl-packed 4 GB: -10%
     b["cases"][2]["summary"]["gbps"] = 9.6    # nccl-unpacked: +20%
-    d = diff.compare_bench(A, b, max_drop=0.2)
+    d = diff_bench.compare_bench(A, b, max_drop=0.2)
     levels = {(r["backend"], r["size_gb"]): r["level"] for r in d["cases"]}
     assert levels == {("nccl-packed", 1): "REGRESSION", ("nccl-packed", 4): "info",
                       ("nccl-unpacked", 1): "info", ("ipc-packed", 1): "info"}
@@ -52,7 +52,7 @@ def test_a_drop_beyond_the_threshold_is_a_regression_a_smaller_one_is_not():
     assert per["nccl-packed"]["level"] == "REGRESSION"
     assert per["nccl-unpacked"]["change"] == pytest.approx(0.2)
     assert len(d["regressions"]) == 1 and "nccl-packed 1 GB" in d["regressions"][0]
-    assert diff.compare_bench(A, b, max_drop=0.6)["regressions"] == []
+    assert diff_bench.compare_bench(A, b, max_drop=0.6)["regressions"] == []
 
 
 def test_a_case_lost_or_failed_in_b_is_a_regression_unless_missing_is_allowed():
@@ -60,13 +60,13 @@ def test_a_case_lost_or_failed_in_b_is_a_regression_unless_missing_is_allowed():
     b["cases"] = [c for c in b["cases"] if c["backend"] != "nccl-unpacked"]
     b["cases"][0] = _case("nccl-packed", 1, None, error="TrainerError: NCCL hung\n...")
     b["cases"].append(_case("shm", 1, 0.5, layout="cpu"))
-    d = diff.compare_bench(A, b)
+    d = diff_bench.compare_bench(A, b)
     why = {(r["backend"], r["size_gb"]): (r["level"], r["why"]) for r in d["cases"]}
     assert why[("nccl-unpacked", 1)] == ("REGRESSION", "measured in A, not in B")
     assert why[("nccl-packed", 1)][0] == "REGRESSION"
     assert "failed in B: TrainerError: NCCL hung" in why[("nccl-packed", 1)][1]
     assert why[("shm", 1)] == ("info", "new in B")
-    allowed = diff.compare_bench(A, b, allow_missing=True)
+    allowed = diff_bench.compare_bench(A, b, allow_missing=True)
     assert [r for r in allowed["cases"] if r["level"] == "REGRESSION"] == \
         [r for r in allowed["cases"] if r["backend"] == "nccl-packed" and r["size_gb"] == 1]
 
@@ -74,8 +74,8 @@ def test_a_case_lost_or_failed_in_b_is_a_regression_unless_missing_is_allowed():
 def test_unlike_hosts_are_refused_unless_allowed():
     b = _bench("0.27.1", A["cases"], gpus=1)
     with pytest.raises(diff.BadInput, match="not like with like"):
-        diff.compare_bench(A, b)
-    assert "GPU count" in diff.compare_bench(A, b, allow_unlike_hosts=True)["unlike_hosts"]
+        diff_bench.compare_bench(A, b)
+    assert "GPU count" in diff_bench.compare_bench(A, b, allow_unlike_hosts=True)["unlike_hosts"]
 
 
 def _write(tmp_path, name, doc):
@@ -96,7 +96,7 @@ def test_cli_exit_codes_and_the_per_backend_change(tmp_path, capsys):
     assert "== nccl-unpacked: +0% GB/s over 1 size" in out
     assert "REGRESSED: 1" in out and "beyond the 20% threshold" in out
     assert "nccl  1   100     50      -50%" in out  # the raw limit moved too: the host's
-    assert max(len(ln) for ln in out.splitlines()) <= diff.output_width()
+    assert max(len(ln) for ln in out.splitlines()) <= text.output_width()
     assert diff.main([str(pa), str(pb), "--max-drop", "0.6"]) == 0
     assert "No regression." in capsys.readouterr().out
     assert diff.main([str(pa), str(pb), "--json"]) == 1

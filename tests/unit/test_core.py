@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from harness import layouts, parity
+from harness import flow, layouts, parity
 from harness.backends import VARIANTS
 from harness.cases import Case, server_config_for
 from harness.reference import PromptReference, Reference
@@ -150,11 +150,11 @@ def test_nonfinite_server_output_is_a_parity_failure_other_400s_are_not():
     ref = _ref()
     nan = '{"error":{"message":"Out of range float values are not JSON compliant"}}'
     with pytest.raises(parity.NonFiniteOutput, match="non-finite logprobs .* prompt 'p'"):
-        parity.observe(_FakeClient(nan), ref)
+        flow.observe(_FakeClient(nan), ref)
     with pytest.raises(parity.NonFiniteOutput):
-        parity.observe_generation(_FakeClient(nan), ref)
+        flow.observe_generation(_FakeClient(nan), ref)
     with pytest.raises(ControlPlaneError, match="max_tokens"):
-        parity.observe(_FakeClient('{"error":{"message":"max_tokens too large"}}'), ref)
+        flow.observe(_FakeClient('{"error":{"message":"max_tokens too large"}}'), ref)
 
 
 class _FakeTrainer:
@@ -241,6 +241,64 @@ def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_user():
     calls = len(hung.trainer_calls)
     assert "a weight sync did not complete" in hung.leave_healthy()
     assert len(hung.trainer_calls) == calls and hung.pool.discarded == [hung.server_cfg]
+
+
+def test_a_failing_resume_does_not_replace_the_trainers_error_in_the_seed_flow(monkeypatch):
+    """The seed flow (demo, repro, the seed fixtures) pauses, syncs and resumes through
+    the one paused sync: when the trainer fails and /resume then fails too, the error
+    raised is still the trainer's, and it says that /resume failed."""
+    import sys
+
+    from harness.client import ControlPlaneError
+
+    s = _session(sync_error=RuntimeError("trainer: NCCL watchdog timeout"))
+    steps, resumes = [], []
+
+    def resume():
+        resumes.append(1)
+        raise ControlPlaneError("/resume", None, "ConnectionError: refused")
+
+    s.client.resume = resume
+    s.reference = lambda weights_dir=None, **kw: "ref"
+    s.observe = lambda ref, client=None, phase="observe": []
+    s.decode = str
+    monkeypatch.setattr(flow.parity, "compare", lambda obs, ref, decode=None: "report")
+    with pytest.raises(RuntimeError, match="NCCL watchdog timeout") as e:
+        flow.seed_flow(s, on_step=lambda name, **facts: steps.append(name))
+    assert resumes == [1]                       # resumed once, after the failed push
+    assert steps == ["reference", "before", "pause"]
+    if sys.version_info >= (3, 11):
+        notes = "\n".join(e.value.__notes__)
+        assert "/resume after the failed sync failed too" in notes and "refused" in notes
+
+
+def test_the_paused_sync_times_its_steps_and_reports_them():
+    from harness.sync import paused_sync
+
+    calls = []
+
+    class Client:
+        def pause(self, mode=None):
+            calls.append(("pause", mode))
+
+        def resume(self):
+            calls.append(("resume",))
+
+        def is_paused(self):
+            return calls[-1][0] == "pause"
+
+    heard = []
+    run = paused_sync(Client(), lambda: calls.append(("push",)) or {"bytes": 1},
+                      pause_mode="keep", on_step=lambda name, **f: heard.append(
+                          (name, f.get("paused"))))
+    assert calls == [("pause", "keep"), ("push",), ("resume",)]
+    assert heard == [("pause", True), ("sync", None), ("resume", False)]
+    assert run.result == {"bytes": 1}
+    t = run.timings
+    assert t.pause_to_resume_seconds >= t.push_seconds >= 0 and t.resume_seconds >= 0
+    calls.clear()
+    alone = paused_sync(Client(), lambda: "done", pause=False)
+    assert calls == [] and alone.result == "done" and alone.timings.pause_seconds is None
 
 
 def test_swap_swaps_the_pair_it_names():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness import known_issues as ki
+from harness import known_issues_verify as kv
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "tests/test_x.py::test_bug[shm-cpu-fp32-llama]"
@@ -37,7 +38,7 @@ def _report(version="0.32.0", gpus=0, tests=(), host=None):
 
 
 def _one(issue, *reports):
-    checks, notes = ki.verify([issue], [(f"r{i}.json", r) for i, r in enumerate(reports)])
+    checks, notes = kv.verify([issue], [(f"r{i}.json", r) for i, r in enumerate(reports)])
     return {c.version: c for c in checks}, notes
 
 
@@ -135,7 +136,7 @@ def test_read_from_source_is_parsed_and_not_verified():
                        "read_from_source": ["0.26.0"]}]}
     (issue,) = ki.parse(data)
     assert issue.read_from_source == ("0.26.0",)
-    checks, _ = ki.verify([issue], [("r.json", _report())])
+    checks, _ = kv.verify([issue], [("r.json", _report())])
     assert [c.version for c in checks] == ["0.32.0"]
     with pytest.raises(ValueError, match="'read_from_source' holds 'soon', not a version"):
         ki.parse({"issue": [dict(data["issue"][0], read_from_source=["soon"])]})
@@ -170,7 +171,7 @@ def test_the_shipped_file_is_backed_by_the_committed_reports():
     reports = sorted((ROOT / "reports").glob("*.json")) + \
         sorted((ROOT / "reports" / "gpu").glob("*.json")) + \
         sorted((ROOT / "reports" / "matrix").glob("*.json"))  # the release matrix
-    loaded = [(str(p.relative_to(ROOT)), ki.load_report(str(p))) for p in reports]
-    checks, _ = ki.verify(ki.load(ki.DEFAULT_PATH), loaded)
+    loaded = [(str(p.relative_to(ROOT)), kv.load_report(str(p))) for p in reports]
+    checks, _ = kv.verify(ki.load(ki.DEFAULT_PATH), loaded)
     missing = [f"{c.id} {c.version}: {c.why_not}" for c in checks if not c.backed]
     assert not missing, "checked but not backed by a committed report:\n" + "\n".join(missing)
