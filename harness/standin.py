@@ -232,6 +232,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a: Any) -> None:  # quiet
         pass
 
+    def end_headers(self) -> None:
+        # Say that the connection closes when the client asked (as uvicorn does): without
+        # the header a client may put the socket back in its pool and send the next
+        # request on it as it closes ("Remote end closed connection without response").
+        if (self.headers.get("Connection") or "").lower() == "close":
+            self.send_header("Connection", "close")
+        super().end_headers()
+
     def _json(self, code: int, obj: Any) -> None:
         body = json.dumps(obj).encode()
         self.send_response(code)

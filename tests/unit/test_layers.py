@@ -91,7 +91,8 @@ FLOORS = [
     ("portable", {"harness.portable", "harness.portable."}),
     ("facts", {"harness.facts", "harness.server", "harness.client", "harness.layouts",
                "harness.models", "harness.vllm_api", "harness.settings", "harness.reaper",
-               "harness.text", "harness.probe_cache", "harness.plan", "harness.backends"}),
+               "harness.text", "harness.probe_cache", "harness.plan", "harness.backends",
+               "harness.measure", "harness.environment", "harness.sync"}),
     ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
                "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
                "harness.frontends"}),
@@ -100,7 +101,9 @@ FLOORS = [
     ("faces", {"harness.plugin", "harness.report", "harness.known_issues", "harness.cli",
                "harness.demo", "harness.repro", "harness.repro_emit", "harness.repro_script",
                "harness.diff", "harness.matrix", "harness.bench", "harness.benchfile",
-               "harness.rawlimit"}),
+               "harness.rawlimit", "harness.bench_run", "harness.bench_view",
+               "harness.diff_reports", "harness.diff_render", "harness.diff_bench",
+               "harness.diff_common", "harness.known_issues_verify"}),
 ]
 ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
                .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
