@@ -16,6 +16,7 @@ import pytest
 from harness import parity
 from harness.pause import admission
 from harness.pause import checks as pc
+from harness.pause import concurrency as pconc
 from harness.pause.openapi import PauseAPI, PauseStyle, discover_pause_api
 
 pytestmark = pytest.mark.pause_resume
@@ -240,7 +241,7 @@ def test_concurrent_streams_through_pause_sync_resume_cycles(session):
     # 3 times). Any other failure is final.
     for attempt in range(3):
         try:
-            obs = pc.check_concurrent_pause_cycles(
+            obs = pconc.check_concurrent_pause_cycles(
                 session.client, prompts, styles, lambda i: session.sync(weights[i], pause=False),
                 clients=4, cycles=len(seeds), max_tokens=400, run_seconds=1.0,
                 request_timeout=max(REQUEST_TIMEOUT, session.sync_timeout + 60),

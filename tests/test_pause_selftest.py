@@ -17,6 +17,7 @@ import pytest
 from harness.client import STATE_CONFIRM_S, PauseStateError, ServerClient
 from harness.pause import PauseCheckFailure
 from harness.pause import checks as pc
+from harness.pause import concurrency as pconc
 from harness.pause.openapi import discover_pause_api, pause_capabilities, read_pause_api
 from harness.standin import MISBEHAVIOURS, StandinServer
 
@@ -57,18 +58,18 @@ CHECKS = {
     "weight_update_wait": lambda c, api, s: pc.check_weight_update_while_held(
         c, api.style("wait"), PROMPT, lambda: _slow_update(s, 8), max_tokens=250,
         queued_max_tokens=32, timeout=10.0, update_timeout=10.0),
-    "concurrency": lambda c, api, s: pc.check_concurrent_pause_cycles(
+    "concurrency": lambda c, api, s: pconc.check_concurrent_pause_cycles(
         c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
         max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=8.0),
     # as the real-server tests run it: a bare [DONE] after an early abort is counted, not failed
-    "concurrency_tolerant": lambda c, api, s: pc.check_concurrent_pause_cycles(
+    "concurrency_tolerant": lambda c, api, s: pconc.check_concurrent_pause_cycles(
         c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
         max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=8.0,
         tolerate_empty_abort=True),
     # For misbehaviours that hang: nothing arrives whatever the bound, so a short one.
     "waits_for_resume_hang": lambda c, api, s: pc.check_request_waits_for_resume(
         c, PROMPT, hold_seconds=1.0, max_tokens=16, timeout=3.0),
-    "concurrency_hang": lambda c, api, s: pc.check_concurrent_pause_cycles(
+    "concurrency_hang": lambda c, api, s: pconc.check_concurrent_pause_cycles(
         c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
         max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=3.0,
         tolerate_empty_abort=True),
