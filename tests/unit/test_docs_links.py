@@ -18,6 +18,7 @@ and the reference, instead of sending a newcomer to nothing.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,15 @@ def anchors(page: Path) -> set[str]:
 
 
 def _top_level(root: Path) -> set[str]:
-    return {p.name for p in root.iterdir() if p.name not in (".git",)}
+    """The repository's own top-level names: what git tracks, so that a generated folder
+    (``.harness-cache/``, ``.venv/``) present on one machine is not taken for the
+    repository's (a path under it is a run's output, which a fresh clone lacks)."""
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {p.name for p in root.iterdir() if p.name not in (".git",)}
+    return {line.split("/", 1)[0] for line in out.splitlines() if line}
 
 
 def _is_placeholder(token: str) -> bool:
