@@ -114,7 +114,7 @@ def test_partial_update_keeps_unsent_weights(session):
     partial-fused-update-uninitialized-shard: for llama the left-out q_proj is one shard
     of the fused qkv_proj; layerwise reload rebuilds the layer from fresh memory and
     loads only the k/v shards it received, so q holds whatever that memory held."""
-    from session import parity
+    from harness import parity
 
     ref = session.reference()
     session.sync()                      # the full model: parity
