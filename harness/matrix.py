@@ -25,7 +25,6 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 from .facts import run_command
 

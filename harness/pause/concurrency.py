@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from . import failure
 from ..client import ServerClient
-from .checks import _set_paused_expect
+from .checks import NothingCaught, _set_paused_expect
 from .driver import REQ_SLACK, StreamingClients, assert_all_returned, await_tokens_after
 from .openapi import PauseStyle
 
