@@ -41,6 +41,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib.metadata
 import json
+import re
 import os
 import shlex
 import subprocess
@@ -94,6 +95,20 @@ def command_line(config: pytest.Config) -> dict:
     return {"argv": list(sys.argv), "args": args, "cwd": cwd, "executable": sys.executable,
             "command": f"cd {shlex.quote(cwd)} && {shlex.quote(sys.executable)} -m pytest "
                        + shlex.join(args)}
+
+
+def relative_paths(value: Any, root: str) -> Any:
+    """``value`` with every path under ``root`` (the directory pytest ran in) written
+    relative to it (``./logs/x.log``, ``root`` itself ``.``): a report names the run's
+    files, not the machine it ran on, and can be committed as it is."""
+    root = root.rstrip("/")
+    if isinstance(value, dict):
+        return {k: relative_paths(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_paths(v, root) for v in value]
+    if isinstance(value, str) and root and root != "/" and root in value:
+        return re.sub(re.escape(root) + r"(?![\w.-])", ".", value)
+    return value
 
 
 def _git(root: Path) -> dict | None:
@@ -390,6 +405,7 @@ class ReportPlugin:
     def _write(self, report: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
+        report = relative_paths(report, str(self.config.invocation_params.dir))
         tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
         tmp.replace(self.path)
 
