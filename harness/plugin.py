@@ -30,6 +30,7 @@ from .flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable, start_seconds_by_mode
 from .server import ServerConfig, ServerError
+from .trainer import SPARES
 
 MARKERS = (
     "models(*names): zoo models / paths this test runs on; --vllm-model narrows them",
@@ -304,6 +305,8 @@ def pytest_runtestloop(session: pytest.Session):
                 state.pool.stop_all()
             except ServerError as e:
                 state.stop_error = str(e)
+            finally:
+                SPARES.close()
 
 
 def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
@@ -312,6 +315,7 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
     if not log_dir.is_absolute():
         log_dir = Path(config.rootpath) / log_dir
     plan = state.plan
+    SPARES.count, SPARES.log_dir = s.harness_trainer_spares, log_dir
     pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
                                    max_alive=plan.max_alive if plan else 2,
                                    max_starting=plan.max_starting if plan else 1,

@@ -57,6 +57,7 @@ import pytest
 from . import environment
 from .pause.openapi import pause_capabilities  # the pause checks' own parse
 from .pool import start_seconds_by_mode
+from .trainer import SPARES
 
 SCHEMA_VERSION = 3  # 2: per-test "syncs", top-level "timing"; 3: per-test "timing", "plan"
 PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
@@ -526,6 +527,8 @@ class ReportPlugin:
                 # the host's 1-minute load and GPU memory every few seconds
                 "host_samples": list(pool.samples) if pool is not None else [],
                 "test_seconds_sum": round(sum(t.get("duration") or 0 for t in tests), 1),
+                # trainers that took over a spare started ahead (imports done)
+                "trainer_spares": {"kept": SPARES.count, "taken": SPARES.taken},
                 "syncs": len(syncs),
                 "sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs],
                 "first_sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs

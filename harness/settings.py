@@ -296,6 +296,9 @@ OPTIONS: tuple[Option, ...] = (
            "(naming --vllm-model, --vllm-dtype or --vllm-mode widens it again)", None,
            _choice(DEPTHS, "depth"), shown_default="full with GPUs, quick without",
            metavar="DEPTH"),
+    Option("harness_trainer_spares", "trainer processes kept started ahead, their imports "
+           "done, for the tests that need a fresh trainer (0 starts none)", 1,
+           lambda f, v: _count(f, v, 0), metavar="N"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),
@@ -338,6 +341,7 @@ class Settings:
     harness_plan_host: str | None = None
     harness_depth: str | None = None
     harness_require_gpu: bool = False
+    harness_trainer_spares: int = 1
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
 

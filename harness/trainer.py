@@ -30,6 +30,7 @@ is ``harness.trainer_child``; its public names are importable from here too.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -138,31 +139,32 @@ class Trainer:
         return self.proc.pid if self.proc is not None else None
 
     def _start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        fd, self.log_path = tempfile.mkstemp(
-            prefix=f"trainer-{self.spec.engine}-", suffix=".log", dir=self.log_dir)
-        os.close(fd)
-        self.log_path = Path(self.log_path)
-        read_end, write_end = os.pipe()
         from harness import reaper
 
         env = reaper.tagged(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.pop(API_KEY_ENV, None)
+        env.pop(SCRATCH_ENV, None)
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
-        self.scratch = reaper.make_scratch(f"trainer-{self.spec.engine}")
-        env[SCRATCH_ENV] = str(self.scratch)
-        spec_json = json.dumps(dataclasses.asdict(self.spec), default=str)
-        with open(self.log_path, "w") as log:
+        spec = dataclasses.asdict(self.spec)
+        spare = SPARES.take(env)
+        if spare is not None:  # imports done already: tell it who it is
             try:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "harness.trainer_child", spec_json, str(write_end)],
-                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    pass_fds=(write_end,), start_new_session=True)
-            finally:
-                os.close(write_end)
-        self._results, self._buf, self.syncs = read_end, b"", 0
+                spare.proc.stdin.write((json.dumps({"op": "become", "spec": spec},
+                                                   default=str) + "\n").encode())
+                spare.proc.stdin.flush()
+            except OSError:
+                spare.discard()
+                spare = None
+        if spare is not None:
+            self.proc, self.log_path, self.scratch = spare.proc, spare.log_path, spare.scratch
+            self._results = spare.results
+        else:
+            self.proc, self.log_path, self.scratch, self._results = _spawn(
+                [json.dumps(spec, default=str)], env, self.log_dir, self.spec.engine)
+        self._buf, self.syncs = b"", 0
+        SPARES.replenish(env, self.log_dir)
 
     def prepare(self, weights_dir: str, *, timeout: float = 600.0) -> dict:
         """Start the process and do all a first sync does short of calling the server:
@@ -293,6 +295,107 @@ class Trainer:
 
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+
+
+def _spawn(args: list[str], env: dict, log_dir: Path, what: str
+           ) -> tuple[subprocess.Popen, Path, Path, int]:
+    """``python -m harness.trainer_child ARGS... FD`` in a session of its own, with a
+    log file and a scratch directory of its own; (process, log, scratch, result fd)."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fd, log_path = tempfile.mkstemp(prefix=f"trainer-{what}-", suffix=".log", dir=log_dir)
+    os.close(fd)
+    from harness import reaper
+
+    scratch = reaper.make_scratch(f"trainer-{what}")
+    env = {**env, SCRATCH_ENV: str(scratch)}
+    read_end, write_end = os.pipe()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.trainer_child", *args, str(write_end)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                pass_fds=(write_end,), start_new_session=True)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+    return proc, Path(log_path), scratch, read_end
+
+
+@dataclasses.dataclass
+class _Spare:
+    proc: subprocess.Popen
+    log_path: Path
+    scratch: Path
+    results: int
+
+    def discard(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        os.close(self.results)
+        import shutil
+
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class Spares:
+    """Trainer processes started ahead: a spare imports what every trainer imports
+    (torch, vLLM's trainer API, transformers: 10-20 s) while the tests run, and the next
+    trainer started with the same environment takes it over and is told its spec, so a
+    test that needs a fresh trainer (a new group, a second init, a killed trainer's
+    successor) does not wait for Python's imports. At most ``count`` wait per
+    environment; ``count`` 0 (the default outside pytest) starts none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.taken = 0
+        self.log_dir: Path | None = None  # where spares log (else the first trainer's)
+        self._idle: dict[tuple, list[_Spare]] = {}
+
+    @staticmethod
+    def _key(env: dict) -> tuple:
+        return tuple(sorted(env.items()))
+
+    def take(self, env: dict) -> _Spare | None:
+        idle = self._idle.get(self._key(env), [])
+        while idle:
+            spare = idle.pop(0)
+            if spare.proc.poll() is None:
+                self.taken += 1
+                return spare
+            spare.discard()  # it died waiting (its log says why): start a trainer afresh
+        return None
+
+    def replenish(self, env: dict, log_dir: Path) -> None:
+        idle = self._idle.setdefault(self._key(env), [])
+        while len(idle) < self.count:
+            proc, log_path, scratch, results = _spawn(["--spare"], env, self.log_dir or log_dir,
+                                                      "spare")
+            idle.append(_Spare(proc, log_path, scratch, results))
+
+    def close(self) -> None:
+        """Stop every spare still waiting (end of run)."""
+        for idle in self._idle.values():
+            for spare in idle:
+                try:
+                    spare.proc.stdin.close()  # a waiting spare exits on end of input
+                    spare.proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+                spare.discard()
+        self._idle.clear()
+
+
+SPARES = Spares()
+atexit.register(SPARES.close)
 
 
 def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = None,

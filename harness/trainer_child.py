@@ -1,4 +1,5 @@
-"""The trainer's child process: ``python -m harness.trainer_child SPEC_JSON FD``.
+"""The trainer's child process: ``python -m harness.trainer_child SPEC_JSON FD``, or a
+spare started ahead (``--spare FD``) that is told its spec later.
 
 ``harness.trainer.Trainer`` starts it and sends it one command per line on its stdin
 (``prepare``, ``sync``, ``describe``, ``exit``); each result goes back as one JSON line
@@ -532,5 +533,40 @@ class _SwitchableClient:
         return getattr(self._current, name)
 
 
+def _warm_imports() -> None:
+    """What every trainer imports before its first command, done by a spare while it
+    waits: torch, the senders, vLLM's trainer API and transformers. Best effort: an
+    import that fails here fails again, with its context, where a trainer needs it."""
+    import importlib
+
+    for name in ("torch", "harness.client", "harness.backends.shm", "harness.backends.ipc",
+                 "harness.backends.nccl", "harness.backends.vllm_code",
+                 "vllm.distributed.weight_transfer", "transformers"):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+
+
+def _spare_main(result_fd: int) -> int:
+    """A spare (``python -m harness.trainer_child --spare FD``): imports done, it waits
+    for its first line, ``{"op": "become", "spec": ...}``, and from then on is the
+    trainer of that spec. A spare that is never taken exits when its stdin closes."""
+    _warm_imports()
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    cmd = json.loads(line)
+    if cmd.get("op") != "become":
+        print(f"trainer spare: expected 'become' first, got {cmd.get('op')!r}", flush=True)
+        return 2
+    spec = cmd["spec"]
+    print(f"trainer spare: became the {spec['engine']} trainer of {spec['url']} "
+          f"(code {spec['code']}, packed={spec['packed']}, {spec['device']})", flush=True)
+    return _child_main(json.dumps(spec), result_fd)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--spare":
+        sys.exit(_spare_main(int(sys.argv[2])))
     sys.exit(_child_main(sys.argv[1], int(sys.argv[2])))

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from harness import models
-from harness.trainer import Trainer, TrainerError, TrainerSpec, run_trainer
+from harness.trainer import SPARES, Trainer, TrainerError, TrainerSpec, run_trainer
 
 
 class _Routes(BaseHTTPRequestHandler):
@@ -135,3 +135,46 @@ def test_a_corruption_travels_with_the_sync_command(routes, model, tmp_path):
     assert r["corruption"].startswith("dropped ")
     dropped = r["corruption"].split()[1]
     assert dropped not in routes.names and len(routes.names) == r["tensors"]
+
+
+@pytest.fixture
+def second_routes():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Routes)
+    srv.calls, srv.names, srv.fail = [], [], set()
+    srv.hang, srv.hang_release = threading.Event(), threading.Event()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_spare_started_ahead_becomes_the_next_trainer(routes, second_routes, model,
+                                                        tmp_path, monkeypatch):
+    """The first trainer starts a spare; the next trainer (another server, another
+    spec) takes that process over, is told its spec, and syncs to its own server; at
+    the end of the run no spare is left."""
+    monkeypatch.setattr(SPARES, "count", 1)
+    monkeypatch.setattr(SPARES, "log_dir", tmp_path)
+    a = Trainer(_spec(routes), log_dir=tmp_path)
+    b = Trainer(_spec(second_routes, options={"recover_in_place": False}), log_dir=tmp_path)
+    try:
+        a.sync(model, timeout=120)
+        spare = SPARES._idle[next(iter(SPARES._idle))][0].proc.pid
+        taken = SPARES.taken
+        b.sync(model, timeout=120)
+        assert b.pid == spare and SPARES.taken == taken + 1
+        assert "became the shm trainer of " + b.spec.url in b.log_tail()
+        assert second_routes.calls.count("/init_weight_transfer_engine") == 1
+        assert routes.calls.count("/init_weight_transfer_engine") == 1  # a's only
+        second_routes.fail.add("/update_weights")  # b's own options came with its spec
+        with pytest.raises(TrainerError, match=r"/update_weights failed with HTTP 500"):
+            b.sync(model, timeout=60)
+        assert not b.alive()
+        waiting = [s.proc for idle in SPARES._idle.values() for s in idle]
+        assert waiting and all(p.poll() is None for p in waiting)
+    finally:
+        a.close()
+        b.close()
+        SPARES.close()
+    assert all(p.poll() is not None for p in waiting)
+    assert not SPARES._idle
