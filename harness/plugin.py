@@ -315,7 +315,7 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
     if not log_dir.is_absolute():
         log_dir = Path(config.rootpath) / log_dir
     plan = state.plan
-    SPARES.count, SPARES.log_dir = s.harness_trainer_spares, log_dir
+    SPARES.count, SPARES.log_dir = s.trainer_spares(), log_dir
     pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
                                    max_alive=plan.max_alive if plan else 2,
                                    max_starting=plan.max_starting if plan else 1,

@@ -297,8 +297,9 @@ OPTIONS: tuple[Option, ...] = (
            _choice(DEPTHS, "depth"), shown_default="full with GPUs, quick without",
            metavar="DEPTH"),
     Option("harness_trainer_spares", "trainer processes kept started ahead, their imports "
-           "done, for the tests that need a fresh trainer (0 starts none)", 1,
-           lambda f, v: _count(f, v, 0), metavar="N"),
+           "done, for the tests that need a fresh trainer (0 starts none)", None,
+           lambda f, v: _count(f, v, 0), shown_default="2 on 8 cores or more, else 1",
+           metavar="N"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),
@@ -341,9 +342,15 @@ class Settings:
     harness_plan_host: str | None = None
     harness_depth: str | None = None
     harness_require_gpu: bool = False
-    harness_trainer_spares: int = 1
+    harness_trainer_spares: int | None = None
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
+
+    def trainer_spares(self) -> int:
+        """Trainer spares to keep: as set, else 2 on a host of 8 cores or more, else 1."""
+        if self.harness_trainer_spares is not None:
+            return self.harness_trainer_spares
+        return 2 if (os.cpu_count() or 1) >= 8 else 1
 
     def gpus(self) -> int:
         """GPUs the run may use: those visible (or, planning for another host, that
