@@ -217,6 +217,8 @@ def _need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
     case = _case_of(item)
     if case is None or item.get_closest_marker("skip") is not None:
         return None
+    if "server_pool" not in getattr(item, "fixturenames", ()):
+        return None  # takes the case, never a server (a test of the case itself)
     if case.model not in paths:
         paths[case.model] = "" if models.unavailable(case.model) else models.planned_path(case.model)
     if not paths[case.model]:
