@@ -298,7 +298,7 @@ OPTIONS: tuple[Option, ...] = (
            metavar="DEPTH"),
     Option("harness_trainer_spares", "trainer processes kept started ahead, their imports "
            "done, for the tests that need a fresh trainer (0 starts none)", None,
-           lambda f, v: _count(f, v, 0), shown_default="2 on 8 cores or more, else 1",
+           lambda f, v: _count(f, v, 0), shown_default="2 on 8 cores or more, else 0",
            metavar="N"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
@@ -347,10 +347,11 @@ class Settings:
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
 
     def trainer_spares(self) -> int:
-        """Trainer spares to keep: as set, else 2 on a host of 8 cores or more, else 1."""
+        """Trainer spares to keep: as set, else 2 on a host of 8 cores or more (a GPU
+        host), else none: on 2 cores a spare's imports compete with the servers."""
         if self.harness_trainer_spares is not None:
             return self.harness_trainer_spares
-        return 2 if (os.cpu_count() or 1) >= 8 else 1
+        return 2 if (os.cpu_count() or 1) >= 8 else 0
 
     def gpus(self) -> int:
         """GPUs the run may use: those visible (or, planning for another host, that

@@ -148,7 +148,7 @@ class Trainer:
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         spec = dataclasses.asdict(self.spec)
-        spare = SPARES.take(env)
+        spare = SPARES.take(env, self.spec)
         if spare is not None:  # imports done already: tell it who it is
             try:
                 spare.proc.stdin.write((json.dumps({"op": "become", "spec": spec},
@@ -164,7 +164,7 @@ class Trainer:
             self.proc, self.log_path, self.scratch, self._results = _spawn(
                 [json.dumps(spec, default=str)], env, self.log_dir, self.spec.engine)
         self._buf, self.syncs = b"", 0
-        SPARES.replenish(env, self.log_dir)
+        SPARES.replenish(env, self.spec, self.log_dir)
 
     def prepare(self, weights_dir: str, *, timeout: float = 600.0) -> dict:
         """Start the process and do all a first sync does short of calling the server:
@@ -347,12 +347,13 @@ class _Spare:
 
 
 class Spares:
-    """Trainer processes started ahead: a spare imports what every trainer imports
-    (torch, vLLM's trainer API, transformers: 10-20 s) while the tests run, and the next
-    trainer started with the same environment takes it over and is told its spec, so a
+    """Trainer processes started ahead: a spare imports what a trainer of its engine and
+    trainer code imports (torch and the sender; vLLM's trainer API for NCCL and IPC;
+    transformers for vLLM's own trainer code: 5-20 s) while the tests run, and the next
+    trainer of that engine, code and environment takes it over and is told its spec. A
     test that needs a fresh trainer (a new group, a second init, a killed trainer's
-    successor) does not wait for Python's imports. At most ``count`` wait per
-    environment; ``count`` 0 (the default outside pytest) starts none."""
+    successor) then does not wait for Python's imports. At most ``count`` wait per
+    engine, code and environment; ``count`` 0 (the default outside pytest) starts none."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -361,11 +362,11 @@ class Spares:
         self._idle: dict[tuple, list[_Spare]] = {}
 
     @staticmethod
-    def _key(env: dict) -> tuple:
-        return tuple(sorted(env.items()))
+    def _key(env: dict, spec: TrainerSpec) -> tuple:
+        return (spec.engine, spec.code, tuple(sorted(env.items())))
 
-    def take(self, env: dict) -> _Spare | None:
-        idle = self._idle.get(self._key(env), [])
+    def take(self, env: dict, spec: TrainerSpec) -> _Spare | None:
+        idle = self._idle.get(self._key(env, spec), [])
         while idle:
             spare = idle.pop(0)
             if spare.proc.poll() is None:
@@ -374,11 +375,11 @@ class Spares:
             spare.discard()  # it died waiting (its log says why): start a trainer afresh
         return None
 
-    def replenish(self, env: dict, log_dir: Path) -> None:
-        idle = self._idle.setdefault(self._key(env), [])
+    def replenish(self, env: dict, spec: TrainerSpec, log_dir: Path) -> None:
+        idle = self._idle.setdefault(self._key(env, spec), [])
         while len(idle) < self.count:
-            proc, log_path, scratch, results = _spawn(["--spare"], env, self.log_dir or log_dir,
-                                                      "spare")
+            proc, log_path, scratch, results = _spawn(
+                ["--spare", spec.engine, spec.code], env, self.log_dir or log_dir, "spare")
             idle.append(_Spare(proc, log_path, scratch, results))
 
     def close(self) -> None:

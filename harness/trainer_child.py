@@ -1,5 +1,5 @@
 """The trainer's child process: ``python -m harness.trainer_child SPEC_JSON FD``, or a
-spare started ahead (``--spare FD``) that is told its spec later.
+spare started ahead (``--spare ENGINE CODE FD``) that is told its spec later.
 
 ``harness.trainer.Trainer`` starts it and sends it one command per line on its stdin
 (``prepare``, ``sync``, ``describe``, ``exit``); each result goes back as one JSON line
@@ -533,26 +533,35 @@ class _SwitchableClient:
         return getattr(self._current, name)
 
 
-def _warm_imports() -> None:
-    """What every trainer imports before its first command, done by a spare while it
-    waits: torch, the senders, vLLM's trainer API and transformers. Best effort: an
-    import that fails here fails again, with its context, where a trainer needs it."""
+def _warm_imports(engine: str, code: str) -> None:
+    """What a trainer of ``engine`` and ``code`` imports before its first sync, done by
+    a spare while it waits: torch and the sender, for NCCL and IPC vLLM's trainer API,
+    for vLLM's own trainer code transformers too. Best effort: an import that fails
+    here fails again, with its context, where the trainer needs it."""
     import importlib
 
-    for name in ("torch", "harness.client", "harness.backends.shm", "harness.backends.ipc",
-                 "harness.backends.nccl", "harness.backends.vllm_code",
-                 "vllm.distributed.weight_transfer", "transformers"):
+    names = ["torch", "harness.client", f"harness.backends.{engine}"]
+    if code == "vllm":
+        names += ["harness.backends.vllm_code", "transformers"]
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception:
             pass
+    if engine != "shm" or code == "vllm":
+        try:
+            from harness import vllm_api
+
+            vllm_api.probe()  # imports vLLM's engine modules, as the sender will
+        except Exception:
+            pass
 
 
-def _spare_main(result_fd: int) -> int:
-    """A spare (``python -m harness.trainer_child --spare FD``): imports done, it waits
-    for its first line, ``{"op": "become", "spec": ...}``, and from then on is the
-    trainer of that spec. A spare that is never taken exits when its stdin closes."""
-    _warm_imports()
+def _spare_main(engine: str, code: str, result_fd: int) -> int:
+    """A spare (``python -m harness.trainer_child --spare ENGINE CODE FD``): imports
+    done, it waits for its first line, ``{"op": "become", "spec": ...}``, and from then
+    on is the trainer of that spec. A spare never taken exits when its stdin closes."""
+    _warm_imports(engine, code)
     line = sys.stdin.readline()
     if not line:
         return 0
@@ -568,5 +577,5 @@ def _spare_main(result_fd: int) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--spare":
-        sys.exit(_spare_main(int(sys.argv[2])))
+        sys.exit(_spare_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
     sys.exit(_child_main(sys.argv[1], int(sys.argv[2])))
