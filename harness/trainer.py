@@ -332,6 +332,9 @@ class _Spare:
     results: int
 
     def discard(self) -> None:
+        """Kill it and remove what it owns; a second call does nothing."""
+        if self.results < 0:
+            return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -341,6 +344,7 @@ class _Spare:
         except subprocess.TimeoutExpired:
             pass
         os.close(self.results)
+        self.results = -1
         import shutil
 
         shutil.rmtree(self.scratch, ignore_errors=True)
@@ -385,13 +389,15 @@ class Spares:
     def close(self) -> None:
         """Stop every spare still waiting (end of run)."""
         for idle in self._idle.values():
-            for spare in idle:
+            while idle:  # one at a time off the list: an interrupted close can be re-run
+                spare = idle.pop()
                 try:
                     spare.proc.stdin.close()  # a waiting spare exits on end of input
                     spare.proc.wait(timeout=5)
                 except (OSError, subprocess.TimeoutExpired):
                     pass
-                spare.discard()
+                finally:
+                    spare.discard()
         self._idle.clear()
 
 

@@ -178,3 +178,20 @@ def test_a_spare_started_ahead_becomes_the_next_trainer(routes, second_routes, m
         SPARES.close()
     assert all(p.poll() is not None for p in waiting)
     assert not SPARES._idle
+
+
+def test_closing_the_spares_twice_is_harmless(routes, model, tmp_path, monkeypatch):
+    """The end of a run closes the spares, and an interpreter exit closes them again
+    (a run interrupted in its teardown does both): the second close finds nothing."""
+    monkeypatch.setattr(SPARES, "count", 1)
+    monkeypatch.setattr(SPARES, "log_dir", tmp_path)
+    t = Trainer(_spec(routes), log_dir=tmp_path)
+    try:
+        t.sync(model, timeout=120)
+    finally:
+        t.close()
+    spare = SPARES._idle[next(iter(SPARES._idle))][0]
+    SPARES.close()
+    spare.discard()  # what a second close of the same spare would do
+    SPARES.close()
+    assert spare.proc.poll() is not None and not SPARES._idle
