@@ -13,12 +13,14 @@ code:
 * their imports and the template's merged into one block: ``harness`` imports dropped
   (the code is in the file now), names the script does not use dropped;
 * ``[region NAME ...]`` ... ``[end]`` lines (comments in code, plain lines in the
-  docstring) keep what they enclose only when the scenario needs one of the NAMEs:
-  an engine (``nccl``, ``ipc``, ``shm``), ``smollm2`` or ``corrupt``; the marker lines
-  themselves always go;
+  docstring; regions may nest) keep what they enclose only when the scenario needs one
+  of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a model source (``zoo``,
+  ``path``, ``hub``, ``smollm2``), ``gpu`` (a GPU layout) or ``corrupt``; ``template``
+  is never needed (what only the template itself does); the marker lines always go;
 * the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
   ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
-  only, read back with ``ast.literal_eval`` before the file is written);
+  only, read back with ``ast.literal_eval`` before the file is written; a text of
+  several lines, such as a tokenizer corpus, as one triple-quoted string);
 * the docstring text between ``-- scenario --`` and ``-- end of scenario --`` becomes a
   plain-words summary: what the scenario is, whether it ran when it was emitted, the
   verdict it expects and why.
@@ -158,10 +160,8 @@ def describe(sc: dict[str, Any]) -> str:
                 if sc["tensor_parallel_size"] > 1 else "")
              + f", trainer on {sc['trainer_device']}")
     lines = [
-        f"Scenario: {sc['title']}.",
-        f"Backend {sc['backend']} (engine {sc['engine']}, "
-        f"{'packed' if sc['packed'] else 'unpacked'}) on layout {sc['layout']}: {where}; "
-        f"dtype {sc['dtype']}; model {model}; /pause mode: "
+        f"Scenario {sc['title']}: engine {sc['engine']}, "
+        f"{'packed' if sc['packed'] else 'unpacked'}; {where}; model {model}; /pause mode: "
         f"{sc['pause_mode'] or 'the server default'}; deliberate corruption: "
         + (f"{sc['corrupt']} ({CORRUPTION_EFFECT[sc['corrupt']]})." if sc["corrupt"] else
            "none."),
@@ -230,9 +230,10 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
 
 def needs(scenario: dict[str, Any]) -> set[str]:
     """The region names the scenario keeps."""
-    found = {scenario["engine"]}
-    if scenario["model"].get("source") == "smollm2-gguf":
-        found.add("smollm2")
+    source = scenario["model"].get("source")
+    found = {scenario["engine"], "smollm2" if source == "smollm2-gguf" else source}
+    if scenario.get("server_gpus"):
+        found.add("gpu")
     if scenario.get("corrupt"):
         found.add("corrupt")
     return found
@@ -267,10 +268,10 @@ def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
         source = keep_regions((PORTABLE / f"{name}.py").read_text(), keep)
         doc, mod_imports, mod_body = _split_module(source)
         imports += mod_imports
-        about = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].splitlines()
-        comment = "".join(f"# {line}".rstrip() + "\n" for line in about)
-        parts.append(f"# {'=' * 76}\n# harness/portable/{name}.py\n{comment}\n"
-                     f"{mod_body.strip()}\n")
+        about = " ".join((ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].split())
+        comment = textwrap.fill(f"harness/portable/{name}.py: {about}", 86,
+                                initial_indent="# ", subsequent_indent="# ")
+        parts.append(f"{comment}\n\n{mod_body.strip()}\n")
     code = before.rstrip() + "\n\n\n" + "\n\n".join(parts) + "\n\n" + after.lstrip("\n")
     out = head.rstrip() + "\n\nfrom __future__ import annotations\n\n" + \
         _import_block(imports, code) + "\n\n" + code.lstrip("\n")
@@ -283,22 +284,21 @@ _END = re.compile(r"^\s*(?:#\s*)?\[end\]\s*$")
 
 def keep_regions(text: str, keep: set[str]) -> str:
     """``text`` without its region marker lines, and without the regions none of whose
-    names is in ``keep``."""
-    out, inside = [], None
+    names is in ``keep`` (a nested region goes with the one around it)."""
+    out: list[str] = []
+    inside: list[set[str]] = []  # the names of each open region, outermost first
     for line in text.splitlines(keepends=True):
         m = _REGION.match(line)
         if m:
-            if inside is not None:
-                raise EmitError(f"a region inside a region: {line.strip()}")
-            inside = set(m.group(1).split())
+            inside.append(set(m.group(1).split()))
         elif _END.match(line):
-            if inside is None:
+            if not inside:
                 raise EmitError("[end] without a region")
-            inside = None
-        elif inside is None or inside & keep:
+            inside.pop()
+        elif all(names & keep for names in inside):
             out.append(line)
-    if inside is not None:
-        raise EmitError(f"a region without its [end]: {sorted(inside)}")
+    if inside:
+        raise EmitError(f"a region without its [end]: {sorted(inside[-1])}")
     return "".join(out)
 
 
@@ -377,8 +377,11 @@ def _literal(x: Any, col: int, indent: int = 0, width: int = 88) -> str:
     if col + len(flat) <= width or not isinstance(x, (dict, list, str)):
         return flat
     inner = indent + 4
+    if isinstance(x, str) and _triple_quotable(x):
+        return '"""' + ("" if x.startswith("\n") else "\\\n") + x + '"""'
     if isinstance(x, str):
-        room = max(24, width - inner - 2)
+        hang = width - col - 2 < 32  # else the pieces line up after an opening parenthesis
+        room = width - inner - 2 if hang else width - col - 2
         pieces = []
         for line in x.splitlines(keepends=True):
             chunk = ""
@@ -389,15 +392,29 @@ def _literal(x: Any, col: int, indent: int = 0, width: int = 88) -> str:
                 chunk += word
             pieces.append(chunk)
         body = [repr(s) for s in pieces]
+        if not hang:
+            return "(" + ("\n" + " " * (col + 1)).join(body) + ")"
         return "(\n" + "\n".join(" " * inner + s for s in body) + "\n" + " " * indent + ")"
+    opening, closing = ("{", "}") if isinstance(x, dict) else ("[", "]")
+    values = list(x.values()) if isinstance(x, dict) else list(x)
+    flat_items = [f"{k!r}: {v!r}" for k, v in x.items()] if isinstance(x, dict) \
+        else [repr(v) for v in x]
+    if values and not any(isinstance(v, (dict, list)) for v in values) \
+            and all(col + 1 + len(item) + 2 <= width for item in flat_items):
+        # plain items only: packed in lines that start after the opening bracket
+        lines = [flat_items[0]]
+        for item in flat_items[1:]:
+            if col + 1 + len(lines[-1]) + len(item) + 3 <= width:
+                lines[-1] += ", " + item
+            else:
+                lines.append(item)
+        return opening + (",\n" + " " * (col + 1)).join(lines) + closing
     if isinstance(x, dict):
         items = [f"{k!r}: " + _literal(v, inner + len(repr(k)) + 2, inner, width)
                  for k, v in x.items()]
-        opening, closing = "{", "}"
     else:
         items = [_literal(v, inner, inner, width) for v in x]
-        opening, closing = "[", "]"
-    lines: list[str] = []
+    lines = []
     for item in items:  # as many single-line items to a line as fit
         if lines and "\n" not in item and "\n" not in lines[-1] \
                 and inner + len(lines[-1]) + len(item) + 3 <= width:
@@ -406,6 +423,14 @@ def _literal(x: Any, col: int, indent: int = 0, width: int = 88) -> str:
             lines.append(item)
     return (opening + "\n" + ",\n".join(" " * inner + line for line in lines) + ",\n"
             + " " * indent + closing)
+
+
+def _triple_quotable(x: str) -> bool:
+    """A text of several lines that reads back unchanged from between triple quotes,
+    each of its lines printable and short enough."""
+    lines = x.split("\n")
+    return len(lines) > 2 and not x.endswith('"') and '"""' not in x and "\\" not in x \
+        and all(line.isprintable() and len(line) <= 88 for line in lines)
 
 
 def read_scenario(text: str) -> dict[str, Any] | None:

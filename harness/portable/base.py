@@ -1,5 +1,4 @@
-"""What every portable module shares: the error for something missing, printing, the
-vLLM version, dtype names, a free port."""
+"""What the portable modules share: Unusable, say, the vLLM version, a free port."""
 
 from __future__ import annotations
 
@@ -22,14 +21,7 @@ def vllm_version() -> str:
             return f"{importlib.metadata.version(dist)} ({dist})"
         except importlib.metadata.PackageNotFoundError:
             pass
-    # a vLLM put on the path without its package metadata
     return "(version unknown)" if importlib.util.find_spec("vllm") else "not installed"
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

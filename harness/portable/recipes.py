@@ -14,27 +14,23 @@ from harness.portable.base import Unusable
 
 
 def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
-    """A byte-level BPE tokenizer trained on the recipe's fixed corpus (repeated
-    ``corpus_repeat`` times); deterministic."""
+    """A byte-level BPE tokenizer trained on the recipe's corpus; deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=recipe["vocab_size"],
-        special_tokens=list(recipe["special_tokens"]),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=recipe["vocab_size"],
+                                  special_tokens=list(recipe["special_tokens"]),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     corpus = recipe["corpus"] * recipe.get("corpus_repeat", 1)
     tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=recipe["bos_token"], eos_token=recipe["eos_token"],
         pad_token=recipe["pad_token"], model_max_length=recipe["model_max_length"],
-    )
-    fast.save_pretrained(out)
+    ).save_pretrained(out)
 
 
 def init_weights(model, seed: int) -> None:
@@ -56,8 +52,8 @@ def init_weights(model, seed: int) -> None:
 
 
 def build_tiny_model(recipe: dict[str, Any], out: Path) -> None:
-    """A tiny model from its recipe: transformers architecture class name, config dict,
-    seed and tokenizer recipe. Float32 safetensors, config and tokenizer in ``out``."""
+    """A tiny model from its recipe (transformers class name, config, seed, tokenizer
+    recipe): float32 safetensors, config and tokenizer in ``out``."""
     import torch
     import transformers
 

@@ -3,6 +3,8 @@ through vLLM's trainer API for the installed release."""
 
 from __future__ import annotations
 
+import base64
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,19 @@ def setup_ipc(sc: dict[str, Any], workdir: Path) -> list[Path]:
     return []
 
 
+def json_safe_update_info(update_info: Any) -> Any:
+    """CUDA IPC handles are not JSON: over HTTP they travel pickled and base64-encoded
+    as ``ipc_handles_pickled`` (vLLM's own HTTP client does the same)."""
+    if isinstance(update_info, list):
+        return [json_safe_update_info(u) for u in update_info]
+    if not isinstance(update_info, dict) or update_info.get("ipc_handles") is None:
+        return update_info
+    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(
+        pickle.dumps(update_info["ipc_handles"])).decode("ascii")
+    return out
+
+
 def send_ipc(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
              timeout: float) -> str:
     """CUDA IPC handles to the trainer's tensors, posted in /update_weights; the workers
@@ -26,9 +41,8 @@ def send_ipc(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
     device, packed = sc["trainer_device"], sc["packed"]
     if device.startswith("cuda"):  # vLLM names the GPU of the current device in each handle
         torch.cuda.set_device(torch.device(device))
-    api = trainer_api("ipc")
     mod = engine_module("ipc")
-    if api == "factory":
+    if trainer_api("ipc") == "factory":
         factory = _wt("factory").WeightTransferTrainerFactory
         info = mod.IPCTrainerInitInfo(rank=0, packed=packed)
         source = weight_source(weights)

@@ -20,20 +20,18 @@ def setup_nccl(sc: dict[str, Any], workdir: Path) -> list[Path]:
 
 def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
               timeout: float) -> str:
-    """The trainer is rank 0 of an NCCL group whose other ranks are the server's workers.
-    /init_weight_transfer_engine returns once every rank has joined, /update_weights once
-    the broadcast it announces has arrived: each is in flight while the trainer does its
-    part."""
+    """/init_weight_transfer_engine returns once every rank has joined, /update_weights
+    once the broadcast it announces has arrived: each is in flight while the trainer
+    does its part."""
     import torch
 
     device, packed = sc["trainer_device"], sc["packed"]
-    api = trainer_api("nccl")
     mod = engine_module("nccl")
-    rendezvous = {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"),
+    rendezvous = {"master_address": "127.0.0.1", "master_port": free_port(),
                   "world_size": client.world_size() + 1}
     say(f"      NCCL group: trainer rank 0 on {device}, world size "
         f"{rendezvous['world_size']}, rendezvous 127.0.0.1:{rendezvous['master_port']}")
-    if api == "factory":
+    if trainer_api("nccl") == "factory":
         factory = _wt("factory").WeightTransferTrainerFactory
         info = mod.NCCLTrainerInitInfo(rank=0, packed=packed, **rendezvous)
         source = weight_source(weights)
@@ -53,10 +51,10 @@ def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
                  lambda: open_group(dict(rendezvous)), device).result(timeout, (http,))
     http.result(timeout)
 
-    fields = {f.name for f in dataclasses.fields(mod.NCCLWeightTransferUpdateInfo)}
     update_info = {"names": [n for n, _ in weights],
                    "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
                    "shapes": [list(t.shape) for _, t in weights]}
+    fields = {f.name for f in dataclasses.fields(mod.NCCLWeightTransferUpdateInfo)}
     if "packed" in fields:  # 0.26: packed rides each update
         update_info["packed"] = packed
     elif packed:
@@ -78,5 +76,4 @@ def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
          device).result(timeout, (http,))
     http.result(timeout)
     client.finish_weight_update()
-    return ("NCCLWeightTransferEngine.trainer_init + trainer_send_weights, routes called by "
-            "this script")
+    return "NCCLWeightTransferEngine.trainer_init + trainer_send_weights, routes called here"

@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 
 class Step:
-    """``fn()`` on a daemon thread (on ``device``: the current CUDA device is per thread),
-    waited for with a deadline. A call stuck inside NCCL cannot be interrupted: it is
+    """``fn()`` on a daemon thread (on ``device``: the current CUDA device is per
+    thread). A call stuck inside NCCL cannot be interrupted: past its deadline it is
     left behind, and main() ends the process without waiting for it."""
 
     left_behind: list[Step] = []
@@ -34,8 +34,8 @@ class Step:
         self.thread.start()
 
     def result(self, timeout: float, peers: tuple[Step, ...] = ()) -> Any:
-        """Wait; a peer that failed (an HTTP call the other side of a collective) ends
-        the wait after a grace period instead of at the deadline."""
+        """Wait; a peer that failed (the HTTP call on the other side of a collective)
+        ends the wait after 5 s of grace instead of at the deadline."""
         deadline = time.monotonic() + timeout
         while not self.done.wait(0.1):
             failed = next((p for p in peers if p.done.is_set() and p.error is not None), None)

@@ -1,6 +1,8 @@
 """Which of vLLM's trainer APIs the installed release has for an engine, and the
-``WeightSource`` of the shape its release asks for. Decided by what vLLM's code offers,
-not by its version number. (harness/vllm_api.py is the harness's own view of this.)"""
+``WeightSource`` of the shape its release asks for: decided by what vLLM's code
+offers, not by its version number.
+
+harness/vllm_api.py is the harness's own view of this."""
 
 from __future__ import annotations
 
@@ -22,31 +24,30 @@ def engine_module(engine: str):
     try:
         return _wt(f"{engine}_engine")
     except ModuleNotFoundError as e:
+        # [region ipc]
         if e.name == "ray":
             raise Unusable(f"vLLM {vllm_version()}'s {engine}_engine.py imports ray at module "
                            "level, and ray is not installed (HTTP transport never uses it): "
                            "pip install ray, or rerun with --stub-ray") from e
+        # [end]
         raise Unusable(f"vLLM's {engine} weight-transfer engine cannot be imported: {e}") from e
 
 
 def trainer_api(engine: str) -> str:
-    """Which of vLLM's trainer APIs this vLLM has for ``engine``: ``factory`` (the
-    stateful trainer engine of 0.27.1+/0.32, which calls the routes itself) or
-    ``static`` (0.26: static helpers; this script calls the routes). Decided by what the
-    code offers, not by the version number."""
+    """``factory`` (0.27.1+: the factory's stateful trainer engine calls the routes
+    itself) or ``static`` (0.26: static helpers; this script calls the routes)."""
     mod = engine_module(engine)
     try:
         factory = _wt("factory").WeightTransferTrainerFactory
     except (ImportError, AttributeError):
         factory = None
-    init_info = getattr(mod, f"{engine.upper()}TrainerInitInfo", None)
-    if factory is not None and init_info is not None \
+    if hasattr(mod, f"{engine.upper()}TrainerInitInfo") \
             and engine in (getattr(factory, "_registry", None) or {}):
         params = list(inspect.signature(factory.trainer_init).parameters)
         if not params or params[0] != "backend":  # 0.26's (backend, config, init_info)
             return "factory"
-    cls = getattr(mod, f"{engine.upper()}WeightTransferEngine", None)
-    send = getattr(cls, "trainer_send_weights", None)
+    send = getattr(getattr(mod, f"{engine.upper()}WeightTransferEngine", None),
+                   "trainer_send_weights", None)
     try:
         positional = [p for p in inspect.signature(send).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -60,10 +61,9 @@ def trainer_api(engine: str) -> str:
 
 
 def weight_source(weights: list[tuple[str, Any]]):
-    """The exact list to send (possibly damaged) as a vLLM ``WeightSource``, of the shape
-    this vLLM's class asks for: up to 0.32 ``metadata()`` and ``__iter__``; from 0.33
-    ``metadata`` a ``functools.cached_property`` (the class refuses anything else) and
-    ``iter_full()``, which NCCL's and IPC's ``trainer_init`` require."""
+    """The exact list to send (possibly damaged) as a vLLM ``WeightSource`` of the shape
+    this release asks for: ``metadata()`` and ``__iter__`` up to 0.32; from 0.33
+    ``metadata`` a ``functools.cached_property`` and ``iter_full()`` as well."""
     base = _wt("base")
 
     def meta(self):
@@ -72,11 +72,10 @@ def weight_source(weights: list[tuple[str, Any]]):
     def fresh(self):
         return iter(list(weights))
 
-    body: dict[str, Any] = {"__iter__": fresh}
+    body: dict[str, Any] = {"__iter__": fresh, "metadata": meta}
     declared = inspect.getattr_static(base.WeightSource, "metadata", None)
     if isinstance(declared, (property, functools.cached_property)) \
             or callable(getattr(base.WeightSource, "iter_full", None)):
         body.update(metadata=functools.cached_property(meta), iter_full=fresh)
-    else:
-        body["metadata"] = meta
     return type("ListWeightSource", (base.WeightSource,), body)()
+

@@ -201,7 +201,8 @@ def test_the_template_takes_its_code_from_the_portable_core_only():
 ENGINE_CODE = {"nccl": "def send_nccl(", "ipc": "def send_ipc(", "shm": "def send_shm(",
                "bucketing": "def buckets(", "corruptions": "def corrupt_weights(",
                "smollm2": "def build_smollm2("}
-MAX_LINES = 960  # an emitted NCCL or IPC script; see test_emitted_scripts_hold_only_...
+MAX_LINES = 400  # the target for an emitted NCCL or IPC script, a bug report's attachment
+LINES_NOW = 770  # what they hold at most now; no script may grow past it
 
 
 @pytest.mark.parametrize("name", ["nccl", "ipc"])
@@ -217,10 +218,21 @@ def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_p
     assert held == {name}, held
     assert "register_shm_engine" not in text and "[region" not in text
     lines = len(text.splitlines())
-    assert lines <= MAX_LINES, f"{name}: {lines} lines"
+    assert lines <= LINES_NOW, f"{name}: {lines} lines"
     template = len(repro_emit.TEMPLATE.read_text().splitlines()) + sum(
         len(f.read_text().splitlines()) for f in repro_emit.PORTABLE.glob("*.py"))
     assert lines < template - 200  # what the other engines need is not there
+
+
+@pytest.mark.parametrize("backend", ["ipc-packed", "ipc-unpacked", "nccl-packed",
+                                     "nccl-unpacked"])
+@pytest.mark.xfail(strict=True, reason=f"not reached yet: the scripts hold up to {LINES_NOW} "
+                   f"lines, the target is {MAX_LINES}")
+def test_emitted_nccl_and_ipc_scripts_are_short_enough_to_read(backend, tmp_path):
+    """A vLLM maintainer reads the script attached to a bug report: at most MAX_LINES."""
+    text = _emit(tmp_path, "r.py", "--vllm-backend", backend).read_text()
+    lines = len(text.splitlines())
+    assert lines <= MAX_LINES, f"{backend}: {lines} lines"
 
 
 def test_a_corruption_and_the_smollm2_model_bring_their_code(tmp_path):
