@@ -469,7 +469,7 @@ class ReportPlugin:
             trainer_api, backends = self.backend_caps
         else:
             why = (f"the probes had not finished after {PROBE_WAIT_S:.0f}s" if final
-                   else "probes still running")
+                   else "probes still running when the report was written")
             trainer_api, backends = {"error": why}, {}
         caps: dict[str, Any] = {
             "routes": self.openapi["routes"] if self.openapi else None,
@@ -541,7 +541,9 @@ class ReportPlugin:
         return _json_safe({
             "schema": SCHEMA_VERSION,
             "header": self.header(exitstatus),
-            "capabilities": self.capabilities(final=exitstatus is not None),
+            # an interrupted run (Ctrl-C, a job's time limit) does not wait for the probes
+            "capabilities": self.capabilities(
+                final=exitstatus is not None and exitstatus != pytest.ExitCode.INTERRUPTED),
             "summary": summarize(tests),
             "tests": tests,
             "known_issues": self.known_issues(),

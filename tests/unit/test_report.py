@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import signal
 import sys
 import threading
 import types
@@ -354,3 +356,36 @@ def test_probe_failure_is_recorded(monkeypatch):
     api, backends = report.backend_capabilities(True)
     assert api == {"error": "RuntimeError: vLLM probe child failed (exit 1)"}
     assert backends["ipc"] == {"loadable": None, "reason": "OSError: no python"}
+
+
+def test_an_interrupted_run_does_not_wait_for_the_probes(pytester, monkeypatch):
+    """Ctrl-C must end a run at once, also when the capability probes (vLLM imported in
+    a child, minutes on a loaded host with no cached answer) are still running: the
+    report says they were, instead of waiting up to PROBE_WAIT_S for them."""
+    monkeypatch.delenv(report.PROBE_ENV, raising=False)
+    monkeypatch.delenv("HARNESS_REPORT", raising=False)
+    pid_file = pytester.path / "probe.pid"
+    pytester.makeconftest(f"""
+import harness.probe_cache, harness.report
+harness.probe_cache.load = lambda: (None, None)  # no cached answer
+harness.report.PROBE_CHILD = (
+    "import os, sys, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+    "time.sleep(300)")  # a probe that does not finish in time
+""")
+    pytester.makepyfile(test_int="""
+def test_cut():
+    raise KeyboardInterrupt
+""")
+    try:
+        r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-report",
+                                          "int.json", timeout=100)
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert r.ret == pytest.ExitCode.INTERRUPTED
+    rep = json.loads((pytester.path / "int.json").read_text())
+    assert rep["capabilities"]["trainer_api"] == {
+        "error": "probes still running when the report was written"}
