@@ -380,6 +380,8 @@ class Spares:
         return None
 
     def replenish(self, env: dict, spec: TrainerSpec, log_dir: Path) -> None:
+        if not self.count:
+            return
         idle = self._idle.setdefault(self._key(env, spec), [])
         while len(idle) < self.count:
             proc, log_path, scratch, results = _spawn(

@@ -155,6 +155,7 @@ def test_a_spare_started_ahead_becomes_the_next_trainer(routes, second_routes, m
     the end of the run no spare is left."""
     monkeypatch.setattr(SPARES, "count", 1)
     monkeypatch.setattr(SPARES, "log_dir", tmp_path)
+    monkeypatch.setattr(SPARES, "_idle", {})  # this test's spares only
     a = Trainer(_spec(routes), log_dir=tmp_path)
     b = Trainer(_spec(second_routes, options={"recover_in_place": False}), log_dir=tmp_path)
     try:
@@ -185,6 +186,7 @@ def test_closing_the_spares_twice_is_harmless(routes, model, tmp_path, monkeypat
     (a run interrupted in its teardown does both): the second close finds nothing."""
     monkeypatch.setattr(SPARES, "count", 1)
     monkeypatch.setattr(SPARES, "log_dir", tmp_path)
+    monkeypatch.setattr(SPARES, "_idle", {})  # this test's spares only
     t = Trainer(_spec(routes), log_dir=tmp_path)
     try:
         t.sync(model, timeout=120)

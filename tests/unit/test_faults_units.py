@@ -347,16 +347,16 @@ BREAKERS = """
 import pytest
 
 @pytest.mark.breaks_server
-def test_breaker(case):
+def test_breaker(session):
     pass
 
-def test_plain(case):
+def test_plain(session):
     pass
 
 @pytest.mark.fresh_server
-def test_fresh(case):
+def test_fresh(session):
     pass
-"""
+"""  # on a server (the session fixture); collected only, so none is started
 
 
 def test_tests_that_may_break_their_server_run_last_on_it(pytester, monkeypatch):
