@@ -273,14 +273,7 @@ class Trainer:
 
     def kill(self) -> None:
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
+            _kill_session(self.proc)
             for f in (self.proc.stdin,):
                 try:
                     f.close()
@@ -295,6 +288,18 @@ class Trainer:
 
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL a trainer child's whole session (it starts one of its own) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _spawn(args: list[str], env: dict, log_dir: Path, what: str
@@ -335,14 +340,7 @@ class _Spare:
         """Kill it and remove what it owns; a second call does nothing."""
         if self.results < 0:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        _kill_session(self.proc)
         os.close(self.results)
         self.results = -1
         import shutil

@@ -40,16 +40,25 @@ class _Routes(BaseHTTPRequestHandler):
         self.wfile.write(out)
 
 
-@pytest.fixture
-def routes():
+def _serve_routes():
+    """The stand-in, serving on a free port, and its stop."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Routes)
     srv.calls, srv.names, srv.fail = [], [], set()
     srv.hang, srv.hang_release = threading.Event(), threading.Event()
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def stop():
+        srv.hang_release.set()
+        srv.shutdown()
+        srv.server_close()
+    return srv, stop
+
+
+@pytest.fixture
+def routes():
+    srv, stop = _serve_routes()
     yield srv
-    srv.hang_release.set()
-    srv.shutdown()
-    srv.server_close()
+    stop()
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +148,9 @@ def test_a_corruption_travels_with_the_sync_command(routes, model, tmp_path):
 
 @pytest.fixture
 def second_routes():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Routes)
-    srv.calls, srv.names, srv.fail = [], [], set()
-    srv.hang, srv.hang_release = threading.Event(), threading.Event()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, stop = _serve_routes()
     yield srv
-    srv.shutdown()
-    srv.server_close()
+    stop()
 
 
 def test_a_spare_started_ahead_becomes_the_next_trainer(routes, second_routes, model,
