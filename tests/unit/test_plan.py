@@ -232,3 +232,18 @@ def test_a_host_without_gpus_plans_the_quick_depth_unless_told(tmp_path):
     named = [s["config"] for s in _plan_of(tmp_path, host, "--vllm-model", "opt",
                                             "tests/test_parity.py")["servers"]]
     assert any("bfloat16" in c for c in named)
+
+
+def test_a_test_that_takes_only_the_case_plans_no_server(pytester, monkeypatch):
+    """A test of the case itself (it takes ``case``, no server fixture) needs no server:
+    the plan starts none for it. One that takes ``session`` gets one."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("HARNESS_REPORT_PROBES", "0")
+    pytester.makepyfile(test_only_case="def test_a(case):\n    assert case.dtype\n")
+    pytester.makepyfile(test_on_server="def test_b(session):\n    pass\n")
+    args = ("-p", "no:cacheprovider", "--harness-plan", "--vllm-backend", "shm",
+            "--vllm-layout", "cpu", "--vllm-model", "llama")
+    alone = pytester.runpytest(*args, "test_only_case.py")
+    assert any("0 servers planned" in line for line in alone.outlines), alone.outlines
+    both = pytester.runpytest(*args)
+    assert any("1 servers planned" in line for line in both.outlines), both.outlines
