@@ -30,7 +30,7 @@ from .flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from .models import ModelUnavailable
 from .pool import NeedsFreshServer, ServerPool, ServerUnavailable, start_seconds_by_mode
 from .server import ServerConfig, ServerError
-from .trainer import SPARES
+from .trainer import RETIRING, SPARES
 
 MARKERS = (
     "models(*names): zoo models / paths this test runs on; --vllm-model narrows them",
@@ -249,7 +249,8 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     state.items = [it for it in items if _case_of(it) is not None]
     from . import known_issues
 
-    in_use = state.items or state.settings.explicit or os.environ.get(known_issues.ENV_PATH)
+    in_use = (state.items or state.settings.explicit or os.environ.get(known_issues.ENV_PATH)
+              or known_issues.names_any(items))
     if not in_use:  # a project that does not use the harness: leave its tests alone
         return
     known_issues.mark_known_issues(config, items, state.settings.vllm_url)
@@ -309,6 +310,7 @@ def pytest_runtestloop(session: pytest.Session):
                 state.stop_error = str(e)
             finally:
                 SPARES.close()
+                RETIRING.drain()
 
 
 def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:

@@ -265,3 +265,22 @@ def test_docs_table_lists_every_entry():
         assert issue.id in doc, f"docs/known-issues.md does not mention {issue.id}"
         assert issue.affected in doc, f"docs/known-issues.md does not give {issue.id}'s range"
 
+
+
+def test_an_entry_applies_to_a_caseless_test_that_it_names(pytester, monkeypatch):
+    """A run of only tests that take no case (the harness's session tests, run alone)
+    still gets the entries that name those tests; the plugin leaves alone only what no
+    entry names (a project that does not use the harness)."""
+    issues = pytester.path / "issues.toml"
+    issues.write_text('[[issue]]\nid = "fake-caseless"\nupstream = "example/upstream#4"\n'
+                      'affected = ">=0.30"\ntests = ["*test_caseless.py::test_named"]\n'
+                      'raises = "AssertionError"\nsymptom = "the routes answer"\n')
+    pytester.makepyfile(test_caseless="def test_named():\n    raise AssertionError('open')\n\n"
+                                      "def test_other():\n    pass\n")
+    monkeypatch.delenv(ki.ENV_PATH, raising=False)  # the default file's place, not a choice
+    monkeypatch.delenv("HARNESS_REPORT", raising=False)
+    monkeypatch.setattr(ki, "DEFAULT_PATH", issues)
+    monkeypatch.setattr(ki, "target_version", lambda url: ("0.32.0", "faked by the test"))
+    r = pytester.runpytest("-rA", "-p", "no:cacheprovider")
+    r.assert_outcomes(passed=1, xfailed=1)
+    assert "known issue fake-caseless" in r.stdout.str()
