@@ -35,6 +35,13 @@ from .trainer import TrainerCodeUnavailable, TrainerSpec, run_trainer
 # {name: seconds})``), and the report adds what is left of the test's duration as
 # "other". The seed flow's steps are phases of their own.
 PHASES = ("server_wait", "reference", "before", "sync", "after", "observe", "twin_wait")
+# What the report keeps of each sync: the transfer, and where a sync's wall time went
+# besides it (a trainer's start or a spare taken over, its CUDA context, loading the
+# weights, building the sender, opening the group, the trainers dropped before a fresh
+# one and the wait for it to go, the child's whole command).
+SYNC_FIELDS = ("sync_seconds", "init_seconds", "load_seconds", "first", "bytes", "tensors",
+               "corruption", "api_path", "start_seconds", "spare", "cuda_init_seconds",
+               "sender_seconds", "drop_seconds", "close_seconds", "seconds")
 
 
 def trainer_spec(case: Case, url: str, options: dict | None = None,
@@ -169,12 +176,15 @@ class SyncSession:
                     # The server's engine has one group: the new trainer's init replaces
                     # the one the persistent trainers opened (their next sync would fail,
                     # or over NCCL wait on a group nobody joins), so they go first.
+                    t0 = time.monotonic()
                     self.pool.drop_trainers(self.server_cfg)
-                    return run_trainer(spec, weights, corrupt=corrupt,
-                                       corrupt_target=corrupt_target, **lying,
-                                       timeout=self.sync_timeout, log_dir=self.pool.log_dir,
-                                       context=self.server.describe_failure,
-                                       api_key=self.server_cfg.api_key)
+                    dropped = time.monotonic() - t0
+                    out = run_trainer(spec, weights, corrupt=corrupt,
+                                      corrupt_target=corrupt_target, **lying,
+                                      timeout=self.sync_timeout, log_dir=self.pool.log_dir,
+                                      context=self.server.describe_failure,
+                                      api_key=self.server_cfg.api_key)
+                    return {**out, "drop_seconds": dropped}
                 return self.pool.trainer(self.server_cfg, spec).sync(
                     weights, corrupt=corrupt, corrupt_target=corrupt_target, **lying,
                     timeout=self.sync_timeout)
@@ -196,9 +206,11 @@ class SyncSession:
                     server_start_seconds=self.server.start_seconds,
                     vllm_version=self.server.version)
         if self.on_record is not None:
-            self.on_record("sync", {k: result.get(k) for k in (
-                "sync_seconds", "init_seconds", "load_seconds", "first", "bytes", "tensors",
-                "corruption", "api_path")})
+            self.on_record("sync", {**{k: result.get(k) for k in SYNC_FIELDS[:8]},
+                                    **{k: result[k] for k in SYNC_FIELDS[8:] if k in result},
+                                    "pause_seconds": run.timings.pause_seconds,
+                                    "push_seconds": run.timings.push_seconds,
+                                    "resume_seconds": run.timings.resume_seconds})
         return result
 
     def server_state(self) -> str:

@@ -330,9 +330,10 @@ class ServerPool:
         return t
 
     def drop_trainers(self, cfg: ServerConfig) -> None:
-        """Close this server's trainers (their groups end with them)."""
+        """End this server's trainers (their groups end with them): retired, where the
+        group is the trainer's own, so that the caller does not wait for them to exit."""
         for key in [k for k in self.trainers if k[0] == cfg]:
-            self.trainers.pop(key).close()
+            self.trainers.pop(key).retire()
 
     # ------------------------------------------------------------------ stop
     def discard(self, cfg: ServerConfig, why: str = "its state could not be trusted") -> None:

@@ -301,6 +301,27 @@ def _json_safe(v: Any) -> Any:
     return str(v)
 
 
+# Where a sync that started a trainer spent its time (see flow.SYNC_FIELDS)
+_START_PIECES = ("start_seconds", "cuda_init_seconds", "load_seconds", "sender_seconds",
+                 "init_seconds", "sync_seconds", "drop_seconds", "close_seconds",
+                 "push_seconds")
+
+
+def trainer_starts(syncs: list[dict]) -> dict:
+    """The syncs that started a trainer process (a persistent trainer's first, or a
+    fresh trainer's only one): how many, how many took over a spare, and the median and
+    sum of each piece of their time; ``push_seconds`` is the whole of it as the test
+    saw it, between /pause and /resume."""
+    started = [x for x in syncs if x.get("start_seconds") is not None]
+    pieces = {}
+    for k in _START_PIECES:
+        vals = sorted(x[k] for x in started if isinstance(x.get(k), (int, float)))
+        if vals:
+            pieces[k] = {"median": round(vals[len(vals) // 2], 3), "sum": round(sum(vals), 1)}
+    return {"count": len(started), "spare": sum(1 for x in started if x.get("spare")),
+            "seconds": pieces}
+
+
 def summarize(tests: list[dict]) -> dict:
     counts: dict[str, int] = {}
     for t in tests:
@@ -529,6 +550,7 @@ class ReportPlugin:
                 "test_seconds_sum": round(sum(t.get("duration") or 0 for t in tests), 1),
                 # trainers that took over a spare started ahead (imports done)
                 "trainer_spares": {"kept": SPARES.count, "taken": SPARES.taken},
+                "trainer_starts": trainer_starts(syncs),
                 "syncs": len(syncs),
                 "sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs],
                 "first_sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs

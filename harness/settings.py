@@ -297,7 +297,7 @@ OPTIONS: tuple[Option, ...] = (
            _choice(DEPTHS, "depth"), shown_default="full with GPUs, quick without",
            metavar="DEPTH"),
     Option("harness_trainer_spares", "trainer processes kept started ahead, their imports "
-           "done, for the tests that need a fresh trainer (0 starts none)", None,
+           "and CUDA context done, for the tests that need a fresh trainer (0 starts none)", None,
            lambda f, v: _count(f, v, 0), shown_default="2 on 8 cores or more, else 0",
            metavar="N"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "

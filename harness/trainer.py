@@ -130,6 +130,9 @@ class Trainer:
         self.syncs = 0
         self._results: int | None = None
         self._buf = b""
+        # how the process came to be, told with the first result it gives: seconds to
+        # start it (or take over a spare), and whether it was a spare
+        self._started: dict[str, Any] | None = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -143,6 +146,8 @@ class Trainer:
 
         env = reaper.tagged(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        t0 = time.monotonic()
+        RETIRING.poll()
         env.pop(API_KEY_ENV, None)
         env.pop(SCRATCH_ENV, None)
         if self.api_key:
@@ -165,6 +170,7 @@ class Trainer:
                 [json.dumps(spec, default=str)], env, self.log_dir, self.spec.engine)
         self._buf, self.syncs = b"", 0
         SPARES.replenish(env, self.spec, self.log_dir)
+        self._started = {"start_seconds": time.monotonic() - t0, "spare": spare is not None}
 
     def prepare(self, weights_dir: str, *, timeout: float = 600.0) -> dict:
         """Start the process and do all a first sync does short of calling the server:
@@ -208,6 +214,9 @@ class Trainer:
             self.kill()
             raise
         result["trainer_log"] = str(self.log_path)
+        if self._started is not None:
+            result.update(self._started)
+            self._started = None
         if not result["ok"]:
             if not result.get("alive"):
                 self.kill()
@@ -271,6 +280,25 @@ class Trainer:
                 pass
         self.kill()
 
+    def retire(self) -> None:
+        """Like ``close``, without waiting: the child is asked to exit and left to do
+        it (a process with a CUDA context takes seconds to end) while the caller goes
+        on; ``RETIRING`` reaps it, and kills it if it outlives its grace. Only for an
+        engine whose group is the trainer's own (IPC handles, shm buckets); an NCCL
+        trainer, whose group spans the server, is closed and waited for."""
+        if self.spec.engine not in RECOVERS_IN_PLACE or not self.alive():
+            self.close()
+            return
+        try:
+            self.proc.stdin.write(b'{"op": "exit"}\n')
+            self.proc.stdin.flush()
+            self.proc.stdin.close()
+        except OSError:
+            self.kill()
+            return
+        RETIRING.add(self.proc, self._results, self.scratch)
+        self.proc, self._results, self.scratch = None, None, None
+
     def kill(self) -> None:
         if self.proc is not None:
             _kill_session(self.proc)
@@ -329,6 +357,55 @@ def _spawn(args: list[str], env: dict, log_dir: Path, what: str
     return proc, Path(log_path), scratch, read_end
 
 
+class Retiring:
+    """Trainers told to exit and not waited for (``Trainer.retire``): each is reaped
+    when it has exited, and its session killed once its grace has passed; ``drain``
+    (end of run) waits for the rest within their grace, then kills them."""
+
+    def __init__(self, grace: float = 30.0) -> None:
+        self.grace = grace
+        self._procs: list[tuple[subprocess.Popen, int | None, Path | None, float]] = []
+
+    def add(self, proc: subprocess.Popen, results: int | None, scratch: Path | None) -> None:
+        self._procs.append((proc, results, scratch, time.monotonic() + self.grace))
+
+    def poll(self) -> None:
+        """Reap those that have exited, kill those past their grace; never waits."""
+        left = []
+        for entry in self._procs:
+            if entry[0].poll() is None and time.monotonic() < entry[3]:
+                left.append(entry)
+            else:
+                self._reap(*entry[:3])
+        self._procs = left
+
+    def drain(self) -> None:
+        while self._procs:  # one at a time off the list: an interrupted drain can be re-run
+            proc, results, scratch, deadline = self._procs.pop()
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                self._reap(proc, results, scratch)
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    @staticmethod
+    def _reap(proc: subprocess.Popen, results: int | None, scratch: Path | None) -> None:
+        _kill_session(proc)  # whatever it started goes with it
+        if results is not None:
+            os.close(results)
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+RETIRING = Retiring()
+
+
 @dataclasses.dataclass
 class _Spare:
     proc: subprocess.Popen
@@ -350,12 +427,12 @@ class _Spare:
 
 class Spares:
     """Trainer processes started ahead: a spare imports what a trainer of its engine and
-    trainer code imports (torch and the sender; vLLM's trainer API for NCCL and IPC;
-    transformers for vLLM's own trainer code: 5-20 s) while the tests run, and the next
-    trainer of that engine, code and environment takes it over and is told its spec. A
-    test that needs a fresh trainer (a new group, a second init, a killed trainer's
-    successor) then does not wait for Python's imports. At most ``count`` wait per
-    engine, code and environment; ``count`` 0 (the default outside pytest) starts none."""
+    trainer code imports (torch, the sender, transformers; vLLM's trainer API for NCCL
+    and IPC: 5-20 s) and makes its CUDA context on its device while the tests run, and
+    the next trainer of that engine, code, device and environment takes it over and is
+    told its spec. A test that needs a fresh trainer (a new group, a second init, a
+    killed trainer's successor) then does not wait for them. At most ``count`` wait per
+    key; ``count`` 0 (the default outside pytest) starts none."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -365,7 +442,7 @@ class Spares:
 
     @staticmethod
     def _key(env: dict, spec: TrainerSpec) -> tuple:
-        return (spec.engine, spec.code, tuple(sorted(env.items())))
+        return (spec.engine, spec.code, spec.device, tuple(sorted(env.items())))
 
     def take(self, env: dict, spec: TrainerSpec) -> _Spare | None:
         idle = self._idle.get(self._key(env, spec), [])
@@ -383,7 +460,8 @@ class Spares:
         idle = self._idle.setdefault(self._key(env, spec), [])
         while len(idle) < self.count:
             proc, log_path, scratch, results = _spawn(
-                ["--spare", spec.engine, spec.code], env, self.log_dir or log_dir, "spare")
+                ["--spare", spec.engine, spec.code, spec.device], env,
+                self.log_dir or log_dir, "spare")
             idle.append(_Spare(proc, log_path, scratch, results))
 
     def close(self) -> None:
@@ -403,20 +481,29 @@ class Spares:
 
 SPARES = Spares()
 atexit.register(SPARES.close)
+atexit.register(RETIRING.drain)
 
 
 def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = None,
                 corrupt_target: str | None = None, lie: str | None = None,
                 timeout: float = 600.0, log_dir: Path | None = None,
                 context: Callable[[], str] | None = None, api_key: str | None = None) -> dict:
-    """One sync by a trainer of its own (a fresh process and group), then gone."""
+    """One sync by a trainer of its own (a fresh process and group), then gone: retired
+    (``Trainer.retire``) when it was given a log directory, else closed before the
+    temporary one holding its log is removed. ``close_seconds`` in the result: how long
+    the caller waited for that."""
     with tempfile.TemporaryDirectory(prefix="harness-trainer-") as tmp:
         t = Trainer(spec, log_dir=log_dir or Path(tmp), context=context, api_key=api_key)
         try:
-            return t.sync(weights_dir, corrupt=corrupt, corrupt_target=corrupt_target,
-                          lie=lie, timeout=timeout)
-        finally:
+            result = t.sync(weights_dir, corrupt=corrupt, corrupt_target=corrupt_target,
+                            lie=lie, timeout=timeout)
+        except BaseException:
             t.close()
+            raise
+        t0 = time.monotonic()
+        t.retire() if log_dir is not None else t.close()
+        result["close_seconds"] = time.monotonic() - t0
+        return result
 
 
 # What runs in the child, importable from here as before; loaded on first use, so that

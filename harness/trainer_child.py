@@ -1,5 +1,5 @@
 """The trainer's child process: ``python -m harness.trainer_child SPEC_JSON FD``, or a
-spare started ahead (``--spare ENGINE CODE FD``) that is told its spec later.
+spare started ahead (``--spare ENGINE CODE DEVICE FD``) that is told its spec later.
 
 ``harness.trainer.Trainer`` starts it and sends it one command per line on its stdin
 (``prepare``, ``sync``, ``describe``, ``exit``); each result goes back as one JSON line
@@ -459,6 +459,7 @@ def _child_main(spec_json: str, result_fd: int) -> int:
     spec = TrainerSpec(**{**json.loads(spec_json)})
     options = dict(spec.options)
     code = (_VllmCode if spec.code == "vllm" else _HarnessCode)(spec, options)
+    first = True
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -471,6 +472,8 @@ def _child_main(spec_json: str, result_fd: int) -> int:
 
                 if spec.device.startswith("cuda"):
                     torch.cuda.set_device(torch.device(spec.device))
+                if first:  # torch's import and the CUDA context, unless a spare paid
+                    result["cuda_init_seconds"], first = time.monotonic() - t0, False
                 result.update(code.command(cmd))
                 result["ok"] = True
             except BaseException as e:  # report everything, KeyboardInterrupt included
@@ -533,21 +536,26 @@ class _SwitchableClient:
         return getattr(self._current, name)
 
 
-def _warm_imports(engine: str, code: str) -> None:
-    """What a trainer of ``engine`` and ``code`` imports before its first sync, done by
-    a spare while it waits: torch and the sender, for NCCL and IPC vLLM's trainer API,
-    for vLLM's own trainer code transformers too. Best effort: an import that fails
-    here fails again, with its context, where the trainer needs it."""
+def _warm_imports(engine: str, code: str, device: str) -> None:
+    """What a trainer of ``engine`` and ``code`` on ``device`` does before its first
+    sync, done by a spare while it waits: torch and the sender, for NCCL and IPC vLLM's
+    trainer API, transformers' model loading (both trainer codes load the checkpoint
+    through it), and on a CUDA device the context with a first copy to it. Best effort:
+    what fails here fails again, with its context, where the trainer needs it."""
     import importlib
 
-    names = ["torch", "harness.client", f"harness.backends.{engine}"]
+    names = ["torch", "harness.client", "harness.reference", f"harness.backends.{engine}"]
     if code == "vllm":
-        names += ["harness.backends.vllm_code", "transformers"]
+        names += ["harness.backends.vllm_code"]
     for name in names:
         try:
             importlib.import_module(name)
         except Exception:
             pass
+    try:
+        from transformers import AutoModelForCausalLM  # noqa: F401  (a lazy module's import)
+    except Exception:
+        pass
     if engine != "shm" or code == "vllm":
         try:
             from harness import vllm_api
@@ -555,13 +563,21 @@ def _warm_imports(engine: str, code: str) -> None:
             vllm_api.probe()  # imports vLLM's engine modules, as the sender will
         except Exception:
             pass
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            torch.cuda.set_device(torch.device(device))
+            torch.ones(1).to(device).cpu()
+        except Exception:
+            pass
 
 
-def _spare_main(engine: str, code: str, result_fd: int) -> int:
-    """A spare (``python -m harness.trainer_child --spare ENGINE CODE FD``): imports
-    done, it waits for its first line, ``{"op": "become", "spec": ...}``, and from then
+def _spare_main(engine: str, code: str, device: str, result_fd: int) -> int:
+    """A spare (``python -m harness.trainer_child --spare ENGINE CODE DEVICE FD``):
+    imports and CUDA context done, it waits for its first line, ``{"op": "become", "spec": ...}``, and from then
     on is the trainer of that spec. A spare never taken exits when its stdin closes."""
-    _warm_imports(engine, code)
+    _warm_imports(engine, code, device)
     line = sys.stdin.readline()
     if not line:
         return 0
@@ -577,5 +593,5 @@ def _spare_main(engine: str, code: str, result_fd: int) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--spare":
-        sys.exit(_spare_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+        sys.exit(_spare_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])))
     sys.exit(_child_main(sys.argv[1], int(sys.argv[2])))

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from harness import models
-from harness.trainer import SPARES, Trainer, TrainerError, TrainerSpec, run_trainer
+from harness.trainer import RETIRING, SPARES, Trainer, TrainerError, TrainerSpec, run_trainer
 
 
 class _Routes(BaseHTTPRequestHandler):
@@ -202,3 +202,43 @@ def test_closing_the_spares_twice_is_harmless(routes, model, tmp_path, monkeypat
     spare.discard()  # what a second close of the same spare would do
     SPARES.close()
     assert spare.proc.poll() is not None and not SPARES._idle
+
+
+def test_a_retired_trainer_exits_by_itself_and_is_reaped(routes, model, tmp_path,
+                                                        monkeypatch):
+    """``retire`` asks the child to exit and does not wait: the trainer lets go of the
+    process at once, ``RETIRING`` holds it, and the end of the run finds it exited by
+    itself (code 0, not killed) and removes its scratch directory. A fresh trainer's
+    result says how it started and how long its caller waited for it to go."""
+    monkeypatch.setattr(RETIRING, "_procs", [])  # this test's trainers only
+    t = Trainer(_spec(routes), log_dir=tmp_path)
+    first = t.sync(model, timeout=120)
+    proc, scratch = t.proc, t.scratch
+    t.retire()
+    assert t.proc is None and len(RETIRING) == 1
+    RETIRING.drain()
+    assert proc.returncode == 0 and not scratch.exists() and len(RETIRING) == 0
+    assert first["spare"] is False and first["start_seconds"] >= 0
+    assert first["cuda_init_seconds"] >= 0
+    fresh = run_trainer(_spec(routes), model, timeout=120, log_dir=tmp_path)
+    assert fresh["close_seconds"] >= 0 and len(RETIRING) == 1
+    RETIRING.drain()
+
+
+def test_a_retired_trainer_that_will_not_exit_is_killed_after_its_grace(routes, model,
+                                                                       tmp_path, monkeypatch):
+    """A retired child that cannot exit (stopped here with SIGSTOP) is killed once its
+    grace has passed, and what it owned is removed all the same."""
+    import signal
+
+    monkeypatch.setattr(RETIRING, "_procs", [])
+    monkeypatch.setattr(RETIRING, "grace", 1.0)
+    t = Trainer(_spec(routes), log_dir=tmp_path)
+    t.sync(model, timeout=120)
+    proc, scratch = t.proc, t.scratch
+    proc.send_signal(signal.SIGSTOP)
+    t.retire()
+    RETIRING.poll()  # within its grace: kept
+    assert len(RETIRING) == 1 and proc.poll() is None
+    RETIRING.drain()
+    assert proc.returncode == -signal.SIGKILL and not scratch.exists()

@@ -389,3 +389,19 @@ def test_cut():
     rep = json.loads((pytester.path / "int.json").read_text())
     assert rep["capabilities"]["trainer_api"] == {
         "error": "probes still running when the report was written"}
+
+
+def test_trainer_starts_count_only_the_syncs_that_started_a_trainer():
+    """The report's ``trainer_starts``: a warm sync (no ``start_seconds``) is not one;
+    a sync whose trainer took over a spare is counted as such; each piece gets its
+    median and sum over the syncs that have it."""
+    syncs = [{"start_seconds": 0.1, "spare": True, "load_seconds": 1.0, "push_seconds": 4.0},
+             {"start_seconds": 0.5, "spare": False, "load_seconds": 3.0, "push_seconds": 9.0,
+              "close_seconds": 2.0},
+             {"sync_seconds": 0.02, "first": False}]
+    got = report.trainer_starts(syncs)
+    assert got["count"] == 2 and got["spare"] == 1
+    assert got["seconds"]["load_seconds"] == {"median": 3.0, "sum": 4.0}
+    assert got["seconds"]["close_seconds"] == {"median": 2.0, "sum": 2.0}
+    assert "sync_seconds" not in got["seconds"]  # only the warm sync has one
+    assert report.trainer_starts([]) == {"count": 0, "spare": 0, "seconds": {}}
