@@ -13,7 +13,8 @@ corrupting the weights), /resume, observe after, compare.
 ``--emit PATH`` writes, after the run, a script assembled from ``harness/repro_script.py``
 and the modules of ``harness/portable`` the scenario needs, with the scenario filled in
 as data (``harness.repro_emit``): a script that needs vLLM and what it installs, not the
-harness, and that expects the verdict observed here.
+harness, and that expects the verdict observed here. An NCCL or IPC script holds one
+of vLLM's trainer APIs, the installed release's unless ``--trainer-api`` names one.
 ``--emit-only`` writes it without running anything, and the script says so. Every
 option is checked before anything starts: a bad value is one line and exit status 2.
 """
@@ -89,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emit", type=Path, default=None, metavar="PATH",
                    help="also write a standalone script that reproduces this scenario (for "
                         "shm, also PATH's stem + _shm_engine.py next to it)")
+    p.add_argument("--trainer-api", default=None, metavar="API",
+                   help="nccl and ipc: the vLLM trainer API the emitted script holds (factory: "
+                        "vLLM 0.27.1+ for IPC, 0.32+ for NCCL; static: 0.26); default: the one "
+                        "of the vLLM installed here")
     p.add_argument("--emit-only", action="store_true",
                    help="with --emit: write the script without running anything (it expects "
                         "mismatch with --corrupt, else parity, or --expect)")
@@ -142,6 +147,27 @@ class Scenario:
                              "emitted script starts its own server")
         if args.emit is not None and args.emit.is_dir():
             raise UsageError(f"--emit {args.emit} is a directory; name the script file")
+        self.trainer_api = self._trainer_api(args)
+
+    def _trainer_api(self, args: argparse.Namespace) -> str | None:
+        """The trainer API the emitted script holds: --trainer-api, else the installed
+        vLLM's (asked only when a script is to be written); None for shm."""
+        from . import repro_emit
+
+        engine = self.variant.engine
+        if engine not in ("nccl", "ipc"):
+            if args.trainer_api is not None:
+                raise UsageError(f"--trainer-api is for nccl and ipc; {self.variant.id} "
+                                 "takes no vLLM trainer API")
+            return None
+        if args.trainer_api is not None:
+            return _one_of("--trainer-api", args.trainer_api, repro_emit.TRAINER_APIS)
+        if args.emit is None:
+            return None
+        try:
+            return repro_emit.installed_trainer_api(engine)
+        except repro_emit.EmitError as e:
+            raise UsageError(f"--trainer-api: {e}") from None
 
     def as_dict(self) -> dict:
         return {"backend": self.variant.id, "engine": self.variant.engine,
@@ -334,7 +360,8 @@ def scenario_data(sc: Scenario, args: argparse.Namespace, expectation, emit_path
         timeouts={"start": args.vllm_start_timeout, "sync": args.vllm_sync_timeout},
         versions=versions,
         shm_engine_file=(repro_emit.engine_file_name(emit_path)
-                         if sc.variant.engine == "shm" else None))
+                         if sc.variant.engine == "shm" else None),
+        trainer_api=sc.trainer_api)
 
 
 def emit_script(sc: Scenario, args: argparse.Namespace, expectation) -> list[Path]:

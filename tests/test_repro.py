@@ -80,6 +80,18 @@ def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
             assert got[engine].startswith("unusable"), (engine, got, path)
 
 
+def test_an_emitted_script_holds_the_installed_vllms_trainer_api(tmp_path):
+    """Without --trainer-api, a script holds the API the installed release offers."""
+    from harness import vllm_api
+
+    probe = vllm_api.probe(isolated=True)
+    for engine in ("nccl", "ipc"):
+        if probe[f"{engine}_path"] not in ("factory", "static"):
+            continue
+        text = _emit(tmp_path, f"{engine}.py", "--vllm-backend", engine).read_text()
+        assert repro_emit.read_scenario(text)["trainer_api"] == probe[f"{engine}_path"]
+
+
 def test_an_emitted_shm_script_reproduces_parity_against_a_real_server(tmp_path):
     """The script, run as a bug reporter would (its own process, its own vLLM server on
     the CPU, no harness code imported), gets parity and exits 0."""

@@ -1,22 +1,31 @@
-"""The trainer's CUDA IPC send: handles to its tensors, posted in /update_weights,
-through vLLM's trainer API for the installed release."""
+"""The trainer's CUDA IPC send: handles to its tensors, posted in /update_weights."""
 
 from __future__ import annotations
 
 import base64
 import pickle
-from pathlib import Path
 from typing import Any
 
-from harness.portable.base import say
 from harness.portable.steps import Step
-from harness.portable.trainer_api import _wt, engine_module, trainer_api, weight_source
+from harness.portable.trainer_api import engine_module, factory_for, weight_source
+# [region factory]
 
 
-def setup_ipc(sc: dict[str, Any], workdir: Path) -> list[Path]:
-    """Before the server starts: fail here, named, rather than halfway through a sync."""
-    say(f"      vLLM's trainer API for ipc: {trainer_api('ipc')}")
-    return []
+def send_ipc(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
+             timeout: float) -> str:
+    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine posts CUDA IPC handles
+    to the trainer's tensors in /update_weights through ``client``, whose calls time out
+    after ``timeout``; the workers open them on the same physical GPU (matched by UUID)."""
+    import torch
+
+    if sc["trainer_device"].startswith("cuda"):  # each handle names the current device's GPU
+        torch.cuda.set_device(torch.device(sc["trainer_device"]))
+    info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=sc["packed"])
+    factory = factory_for("ipc")
+    # calls /init_weight_transfer_engine
+    trainer = factory.trainer_init(info, client=client, source=weight_source(weights))
+    trainer.send_weights()  # /start_weight_update, /update_weights, /finish_weight_update
+    return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
 
 
 def json_safe_update_info(update_info: Any) -> Any:
@@ -30,35 +39,30 @@ def json_safe_update_info(update_info: Any) -> Any:
     out["ipc_handles_pickled"] = base64.b64encode(
         pickle.dumps(update_info["ipc_handles"])).decode("ascii")
     return out
+# [end]
+# [region static]
 
 
-def send_ipc(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
-             timeout: float) -> str:
-    """CUDA IPC handles to the trainer's tensors, posted in /update_weights; the workers
-    open them on the same physical GPU (matched by UUID)."""
+def send_ipc_static(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
+                    timeout: float) -> str:
+    """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts CUDA IPC
+    handles to the trainer's tensors in /update_weights itself (send_mode "http"); the
+    other three routes are called here. The workers open the handles on the same
+    physical GPU (matched by UUID)."""
     import torch
 
     device, packed = sc["trainer_device"], sc["packed"]
-    if device.startswith("cuda"):  # vLLM names the GPU of the current device in each handle
+    if device.startswith("cuda"):  # each handle names the current device's GPU
         torch.cuda.set_device(torch.device(device))
-    mod = engine_module("ipc")
-    if trainer_api("ipc") == "factory":
-        factory = _wt("factory").WeightTransferTrainerFactory
-        info = mod.IPCTrainerInitInfo(rank=0, packed=packed)
-        source = weight_source(weights)
-        trainer = Step("WeightTransferTrainerFactory.trainer_init (/init_weight_transfer_engine)",
-                       lambda: factory.trainer_init(info, client=client, source=source),
-                       device).result(timeout)
-        Step("send_weights (/start_weight_update, /update_weights, /finish_weight_update)",
-             trainer.send_weights, device).result(timeout)
-        return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
-
+    engine = engine_module("ipc").IPCWeightTransferEngine
     client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
     client.start_weight_update()
     Step("IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
-         lambda: mod.IPCWeightTransferEngine.trainer_send_weights(
+         lambda: engine.trainer_send_weights(
              iter(weights), {"send_mode": "http", "url": client.url, "packed": packed}),
          device).result(timeout)
     client.finish_weight_update()
     return ("IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), init/start/finish "
             "called by this script")
+# [end]
+

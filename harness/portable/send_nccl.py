@@ -1,54 +1,63 @@
-"""The trainer's NCCL send: rank 0 of a group whose other ranks are the server's
-workers, through vLLM's trainer API for the installed release."""
+"""The trainer's NCCL send: rank 0 of a group whose other ranks are the server's workers."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from harness.portable.base import Unusable, free_port, say
 from harness.portable.steps import Step
-from harness.portable.trainer_api import _wt, engine_module, trainer_api, weight_source
+from harness.portable.trainer_api import _wt, engine_module, factory_for, weight_source
 
 
-def setup_nccl(sc: dict[str, Any], workdir: Path) -> list[Path]:
-    """Before the server starts: fail here, named, rather than halfway through a sync."""
-    say(f"      vLLM's trainer API for nccl: {trainer_api('nccl')}")
-    return []
+def rendezvous(client: Any, device: str) -> dict[str, Any]:
+    """The NCCL group: the trainer is rank 0, the server's workers the other ranks."""
+    group = {"master_address": "127.0.0.1", "master_port": free_port(),
+             "world_size": client.world_size() + 1}
+    say(f"      NCCL group: trainer rank 0 on {device}, world size {group['world_size']}, "
+        f"rendezvous 127.0.0.1:{group['master_port']}")
+    return group
+# [region factory]
 
 
 def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
               timeout: float) -> str:
-    """/init_weight_transfer_engine returns once every rank has joined, /update_weights
-    once the broadcast it announces has arrived: each is in flight while the trainer
-    does its part."""
+    """vLLM's factory trainer API (0.32+): its NCCL trainer engine calls the routes
+    through ``client`` and keeps each in flight while it does its part of the collective
+    (/init_weight_transfer_engine returns once every rank has joined, /update_weights
+    once the broadcast it announces has arrived)."""
+    device = sc["trainer_device"]
+    info = engine_module("nccl").NCCLTrainerInitInfo(rank=0, packed=sc["packed"],
+                                                     **rendezvous(client, device))
+    factory = factory_for("nccl")
+    source = weight_source(weights)
+    trainer = Step("WeightTransferTrainerFactory.trainer_init (with "
+                   "/init_weight_transfer_engine)",
+                   lambda: factory.trainer_init(info, client=client, source=source),
+                   device).result(timeout)
+    Step("send_weights (/start_weight_update, /update_weights beside the broadcast, "
+         "/finish_weight_update)", trainer.send_weights, device).result(timeout)
+    return "WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo) + send_weights"
+# [end]
+# [region static]
+
+
+def send_nccl_static(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
+                     timeout: float) -> str:
+    """vLLM 0.26's static API (0.27.1's too): NCCLWeightTransferEngine's trainer_init
+    and trainer_send_weights, with the routes called here, each in flight while the
+    trainer does its part (/init_weight_transfer_engine returns once every rank has
+    joined, /update_weights once the broadcast it announces has arrived)."""
     import torch
 
     device, packed = sc["trainer_device"], sc["packed"]
     mod = engine_module("nccl")
-    rendezvous = {"master_address": "127.0.0.1", "master_port": free_port(),
-                  "world_size": client.world_size() + 1}
-    say(f"      NCCL group: trainer rank 0 on {device}, world size "
-        f"{rendezvous['world_size']}, rendezvous 127.0.0.1:{rendezvous['master_port']}")
-    if trainer_api("nccl") == "factory":
-        factory = _wt("factory").WeightTransferTrainerFactory
-        info = mod.NCCLTrainerInitInfo(rank=0, packed=packed, **rendezvous)
-        source = weight_source(weights)
-        trainer = Step("WeightTransferTrainerFactory.trainer_init (with "
-                       "/init_weight_transfer_engine)",
-                       lambda: factory.trainer_init(info, client=client, source=source),
-                       device).result(timeout)
-        Step("send_weights (/start_weight_update, /update_weights beside the broadcast, "
-             "/finish_weight_update)", trainer.send_weights, device).result(timeout)
-        return "WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo) + send_weights"
-
-    engine = mod.NCCLWeightTransferEngine
+    engine, group = mod.NCCLWeightTransferEngine, rendezvous(client, device)
     open_group = getattr(engine, "trainer_init", None) or _wt("nccl_common").trainer_init
     http = Step("/init_weight_transfer_engine", lambda: client.init_weight_transfer_engine(
-        {**rendezvous, "rank_offset": 1}))
-    group = Step("NCCLWeightTransferEngine.trainer_init (NCCL rendezvous as rank 0)",
-                 lambda: open_group(dict(rendezvous)), device).result(timeout, (http,))
+        {**group, "rank_offset": 1}))
+    comm = Step("NCCLWeightTransferEngine.trainer_init (NCCL rendezvous as rank 0)",
+                lambda: open_group(dict(group)), device).result(timeout, (http,))
     http.result(timeout)
 
     update_info = {"names": [n for n, _ in weights],
@@ -61,7 +70,7 @@ def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
         raise Unusable("packed requested, but this vLLM's NCCLWeightTransferUpdateInfo has no "
                        f"'packed' field (fields: {sorted(fields)})")
     # NCCL reads numel elements from data_ptr(): broadcast contiguous memory only.
-    args = {"group": group, "src": 0, "packed": packed,
+    args = {"group": comm, "src": 0, "packed": packed,
             "post_iter_func": lambda item: item[1].contiguous()}
     args_cls = getattr(mod, "NCCLTrainerSendWeightsArgs", None)
 
@@ -77,3 +86,4 @@ def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
     http.result(timeout)
     client.finish_weight_update()
     return "NCCLWeightTransferEngine.trainer_init + trainer_send_weights, routes called here"
+# [end]

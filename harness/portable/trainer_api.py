@@ -1,8 +1,10 @@
-"""Which of vLLM's trainer APIs the installed release has for an engine, and the
-``WeightSource`` of the shape its release asks for: decided by what vLLM's code
-offers, not by its version number.
+"""Which of vLLM's trainer APIs the installed release offers for an engine.
 
-harness/vllm_api.py is the harness's own view of this."""
+A script holds one of the two APIs, the one of the release it was emitted for: the
+factory's stateful trainer engine (0.27.1+ for IPC, 0.32+ for NCCL), which calls the
+weight-sync routes itself, or the static helpers of 0.26, with the routes called by the
+script. The release decides by what its code offers, not by its version number, as in
+harness/vllm_api.py (the harness's own view of this)."""
 
 from __future__ import annotations
 
@@ -13,51 +15,83 @@ from typing import Any
 
 from harness.portable.base import Unusable, vllm_version
 
+RELEASES = {"factory": "vLLM 0.27.1+ for IPC, 0.32+ for NCCL", "static": "vLLM 0.26"}
+
 
 def _wt(module: str):
     return importlib.import_module(f"vllm.distributed.weight_transfer.{module}")
 
 
 def engine_module(engine: str):
-    """vLLM's engine module for ``engine``, or Unusable naming why it cannot be imported
-    (vLLM 0.26's ipc_engine.py runs ``import ray`` at module level)."""
+    """vLLM's engine module for ``engine``, or Unusable naming why it cannot be imported."""
     try:
         return _wt(f"{engine}_engine")
     except ModuleNotFoundError as e:
+        # [region static]
         # [region ipc]
-        if e.name == "ray":
+        if e.name == "ray":  # vLLM 0.26's ipc_engine.py runs `import ray` at module level
             raise Unusable(f"vLLM {vllm_version()}'s {engine}_engine.py imports ray at module "
                            "level, and ray is not installed (HTTP transport never uses it): "
                            "pip install ray, or rerun with --stub-ray") from e
         # [end]
+        # [end]
         raise Unusable(f"vLLM's {engine} weight-transfer engine cannot be imported: {e}") from e
 
 
-def trainer_api(engine: str) -> str:
-    """``factory`` (0.27.1+: the factory's stateful trainer engine calls the routes
-    itself) or ``static`` (0.26: static helpers; this script calls the routes)."""
-    mod = engine_module(engine)
+def factory_for(engine: str):
+    """vLLM's WeightTransferTrainerFactory where this release takes ``engine`` through it
+    (0.27.1+ for IPC, 0.32+ for NCCL), else None (0.26's takes (backend, config, init_info)
+    and registers no engine)."""
     try:
         factory = _wt("factory").WeightTransferTrainerFactory
     except (ImportError, AttributeError):
-        factory = None
-    if hasattr(mod, f"{engine.upper()}TrainerInitInfo") \
-            and engine in (getattr(factory, "_registry", None) or {}):
-        params = list(inspect.signature(factory.trainer_init).parameters)
-        if not params or params[0] != "backend":  # 0.26's (backend, config, init_info)
-            return "factory"
-    send = getattr(getattr(mod, f"{engine.upper()}WeightTransferEngine", None),
-                   "trainer_send_weights", None)
+        return None
+    if hasattr(engine_module(engine), f"{engine.upper()}TrainerInitInfo") \
+            and engine in (getattr(factory, "_registry", None) or {}) \
+            and list(inspect.signature(factory.trainer_init).parameters)[:1] != ["backend"]:
+        return factory
+    return None
+# [region static template]
+
+
+def has_static_sender(engine: str) -> bool:
+    """Whether this release has the static trainer_send_weights(iterator, args) (0.26;
+    0.27.1 keeps IPC's as a (*args, **kwargs) stub that raises)."""
+    send = getattr(getattr(engine_module(engine), f"{engine.upper()}WeightTransferEngine",
+                           None), "trainer_send_weights", None)
     try:
-        positional = [p for p in inspect.signature(send).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len([p for p in inspect.signature(send).parameters.values()
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
     except (TypeError, ValueError):
-        positional = []
-    if len(positional) >= 2:  # 0.27.1 keeps IPC's as a (*args, **kwargs) stub that raises
+        return False
+# [end]
+# [region template]
+
+
+def trainer_api(engine: str) -> str:
+    """``factory`` or ``static``: the trainer API this release offers for ``engine``."""
+    if factory_for(engine) is not None:
+        return "factory"
+    if has_static_sender(engine):
         return "static"
     raise Unusable(f"vLLM {vllm_version()} has no trainer API for {engine} that this script "
-                   "knows (neither WeightTransferTrainerFactory with "
+                   f"knows (neither WeightTransferTrainerFactory with "
                    f"{engine.upper()}TrainerInitInfo nor a static trainer_send_weights)")
+# [end]
+
+
+def check_trainer_api(engine: str, api: str) -> None:
+    """Before the server starts: fail in one line where this release needs the other API."""
+    offered = factory_for(engine) is not None
+    # [region static template]
+    if api == "static":  # the factory API, where a release has it, is the one it needs
+        offered = not offered and has_static_sender(engine)
+    # [end]
+    if not offered:
+        raise Unusable(f"this script holds vLLM's {api} trainer API for {engine} "
+                       f"({RELEASES[api]}), which vLLM {vllm_version()} here does not offer: "
+                       "emit the script again where this vLLM is installed")
+# [region factory]
 
 
 def weight_source(weights: list[tuple[str, Any]]):
@@ -78,4 +112,4 @@ def weight_source(weights: list[tuple[str, Any]]):
             or callable(getattr(base.WeightSource, "iter_full", None)):
         body.update(metadata=functools.cached_property(meta), iter_full=fresh)
     return type("ListWeightSource", (base.WeightSource,), body)()
-
+# [end]

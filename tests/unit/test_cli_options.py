@@ -111,6 +111,6 @@ def test_defaults_that_differ_from_pytest_say_so_in_help():
 
 def test_repro_backend_shorthands_are_the_packed_variants(tmp_path, capsys):
     assert cli.main(["repro", "--emit-only", "--emit", str(tmp_path / "r.py"),
-                     "--vllm-backend", "nccl"]) == 0
+                     "--vllm-backend", "nccl", "--trainer-api", "factory"]) == 0
     assert capsys.readouterr().out.startswith("harness repro: nccl-packed 2gpu-split")
     assert repro.EXIT_USAGE == 2

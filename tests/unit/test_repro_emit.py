@@ -93,6 +93,10 @@ BAD_INPUT = [
      "mismatch, or no --expect"),
     (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
     (["--emit-only"], "--emit-only needs --emit PATH"),
+    (["--vllm-backend", "nccl", "--trainer-api", "newest"],
+     "unknown --trainer-api 'newest'; known: factory, static"),
+    (["--trainer-api", "factory"],
+     "--trainer-api is for nccl and ipc; shm takes no vLLM trainer API"),
     (["--emit-only", "--emit", "x.py", "--vllm-url", "http://127.0.0.1:1"],
      "--emit-only runs nothing, so --vllm-url would be ignored; the emitted script starts its "
      "own server"),
@@ -171,9 +175,12 @@ def _imports(tree: ast.Module, top_only: bool = False) -> set[str]:
     return found
 
 
-SCRIPTS = {"shm": ["--vllm-backend", "shm"], "nccl": ["--vllm-backend", "nccl"],
-           "ipc": ["--vllm-backend", "ipc"],
-           "nccl-corrupt": ["--vllm-backend", "nccl", "--corrupt", "swap"],
+FACTORY, STATIC = ["--trainer-api", "factory"], ["--trainer-api", "static"]
+SCRIPTS = {"shm": ["--vllm-backend", "shm"], "nccl": ["--vllm-backend", "nccl", *FACTORY],
+           "ipc": ["--vllm-backend", "ipc", *FACTORY],
+           "nccl-static": ["--vllm-backend", "nccl", *STATIC],
+           "ipc-static": ["--vllm-backend", "ipc", *STATIC],
+           "nccl-corrupt": ["--vllm-backend", "nccl", "--corrupt", "swap", *FACTORY],
            "smollm2": ["--vllm-model", "smollm2"]}
 
 
@@ -198,24 +205,30 @@ def test_the_template_takes_its_code_from_the_portable_core_only():
         assert roots <= STDLIB_AND_VLLM_DEPS | {"vllm", "harness"}, (f.name, roots)
 
 
-ENGINE_CODE = {"nccl": "def send_nccl(", "ipc": "def send_ipc(", "shm": "def send_shm(",
+ENGINE_CODE = {"nccl": "def send_nccl", "ipc": "def send_ipc", "shm": "def send_shm(",
                "bucketing": "def buckets(", "corruptions": "def corrupt_weights(",
                "smollm2": "def build_smollm2("}
 MAX_LINES = 400  # the target for an emitted NCCL or IPC script, a bug report's attachment
-LINES_NOW = 770  # what they hold at most now; no script may grow past it
+LINES_NOW = 720  # what they hold at most now; no script may grow past it
+APIS = {"factory": ("def send_{}(", "def send_{}_static("),
+        "static": ("def send_{}_static(", "def send_{}(")}
 
 
-@pytest.mark.parametrize("name", ["nccl", "ipc"])
+@pytest.mark.parametrize("name", ["nccl", "ipc", "nccl-static", "ipc-static"])
 def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_path):
-    """One engine's send code, no corruption unless asked for, no SmolLM2 conversion for
-    a zoo model, no shm plugin: a script is the template's engine-independent steps
-    (server, client, reference, check, the run: about 470 lines) plus the scenario's
-    data and the portable modules it needs."""
-    text = _emit(tmp_path, f"{name}.py", *SCRIPTS[name]).read_text()
+    """One engine's send code for one trainer API, no corruption unless asked for, no
+    SmolLM2 conversion for a zoo model, no shm plugin: a script is the template's
+    engine-independent steps (server, client, reference, check, the run) plus the
+    scenario's data and the portable modules it needs."""
+    engine, _, api = name.partition("-")
+    text = _emit(tmp_path, f"{engine}.py", *SCRIPTS[name]).read_text()
     compile(text, name, "exec")
     assert "import harness" not in text and "from harness" not in text
     held = {k for k, code in ENGINE_CODE.items() if code in text}
-    assert held == {name}, held
+    assert held == {engine}, held
+    has, lacks = APIS[api or "factory"]
+    assert has.format(engine) in text and lacks.format(engine) not in text
+    assert ("stub-ray" in text) == (name == "ipc-static")  # only 0.26's IPC engine needs ray
     assert "register_shm_engine" not in text and "[region" not in text
     lines = len(text.splitlines())
     assert lines <= LINES_NOW, f"{name}: {lines} lines"
@@ -224,15 +237,41 @@ def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_p
     assert lines < template - 200  # what the other engines need is not there
 
 
+@pytest.mark.parametrize("api", ["factory", "static"])
 @pytest.mark.parametrize("backend", ["ipc-packed", "ipc-unpacked", "nccl-packed",
                                      "nccl-unpacked"])
 @pytest.mark.xfail(strict=True, reason=f"not reached yet: the scripts hold up to {LINES_NOW} "
                    f"lines, the target is {MAX_LINES}")
-def test_emitted_nccl_and_ipc_scripts_are_short_enough_to_read(backend, tmp_path):
+def test_emitted_nccl_and_ipc_scripts_are_short_enough_to_read(backend, api, tmp_path):
     """A vLLM maintainer reads the script attached to a bug report: at most MAX_LINES."""
-    text = _emit(tmp_path, "r.py", "--vllm-backend", backend).read_text()
+    text = _emit(tmp_path, "r.py", "--vllm-backend", backend, "--trainer-api", api).read_text()
     lines = len(text.splitlines())
-    assert lines <= MAX_LINES, f"{backend}: {lines} lines"
+    assert lines <= MAX_LINES, f"{backend} {api}: {lines} lines"
+
+
+def test_the_trainer_api_defaults_to_the_installed_vllms(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(repro_emit, "installed_trainer_api",
+                        lambda engine: asked.append(engine) or "static")
+    text = _emit(tmp_path, "r.py", "--vllm-backend", "ipc").read_text()
+    assert asked == ["ipc"] and repro_emit.read_scenario(text)["trainer_api"] == "static"
+    assert "def send_ipc_static(" in text and "def send_ipc(" not in text
+    text = _emit(tmp_path, "s.py", "--vllm-backend", "shm").read_text()
+    assert asked == ["ipc"] and repro_emit.read_scenario(text)["trainer_api"] is None
+
+
+def test_a_trainer_api_that_cannot_be_told_is_one_line_and_exit_2(tmp_path, monkeypatch,
+                                                                  capsys):
+    def cannot(engine):
+        raise repro_emit.EmitError("vLLM is not installed here to tell which trainer API "
+                                   "nccl takes; name the API")
+
+    monkeypatch.setattr(repro_emit, "installed_trainer_api", cannot)
+    assert _repro("--vllm-backend", "nccl", "--emit-only", "--emit", str(tmp_path / "r.py")) == 2
+    assert capsys.readouterr().err == ("harness repro: --trainer-api: vLLM is not installed "
+                                       "here to tell which trainer API nccl takes; name the "
+                                       "API\n")
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_corruption_and_the_smollm2_model_bring_their_code(tmp_path):
@@ -297,13 +336,13 @@ EMITTED = {
     "shm": (["--vllm-backend", "shm"],
             {"backend": "shm", "engine": "shm", "packed": False, "layout": "cpu",
              "server_gpus": [], "trainer_device": "cpu"}),
-    "nccl": (["--vllm-backend", "nccl"],
+    "nccl": (["--vllm-backend", "nccl", *FACTORY],
              {"backend": "nccl-packed", "engine": "nccl", "packed": True,
               "layout": "2gpu-split", "server_gpus": [0], "trainer_device": "cuda:1"}),
-    "ipc": (["--vllm-backend", "ipc"],
+    "ipc": (["--vllm-backend", "ipc", *STATIC],
             {"backend": "ipc-packed", "engine": "ipc", "packed": True,
              "layout": "1gpu-colocated", "server_gpus": [0], "trainer_device": "cuda:0"}),
-    "ipc-unpacked-gpu1": (["--vllm-backend", "ipc-unpacked",
+    "ipc-unpacked-gpu1": (["--vllm-backend", "ipc-unpacked", *FACTORY,
                            "--vllm-layout", "2gpu-ipc-gpu1"],
                           {"backend": "ipc-unpacked", "engine": "ipc", "packed": False,
                            "layout": "2gpu-ipc-gpu1", "server_gpus": [1],
@@ -432,8 +471,11 @@ def test_a_missing_model_directory_or_engine_file_is_named(tmp_path):
 
 @pytest.fixture
 def emitted(tmp_path):
-    """``emitted(backend, *argv)``: the emitted script of that scenario, imported."""
+    """``emitted(backend, *argv)``: the emitted script of that scenario, imported (with
+    the factory trainer API unless ``argv`` names one)."""
     def make(backend: str, *argv: str):
+        if backend != "shm" and "--trainer-api" not in argv:
+            argv = (*argv, *FACTORY)
         name = f"{backend}_{len(list(tmp_path.iterdir()))}.py"
         return _load(_emit(tmp_path, name, "--vllm-backend", backend, *argv))
     return make
@@ -558,7 +600,7 @@ class _Rendezvous(_Recorder):
 
 
 def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
-    script = emitted("nccl", "--corrupt", "drop")
+    script = emitted("nccl", "--corrupt", "drop", *STATIC)
     client = _Rendezvous()
     sent = {}
 
@@ -587,9 +629,10 @@ def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
                                  NCCLTrainerSendWeightsArgs=_SendArgs)
     _fake_vllm(monkeypatch, {"nccl_engine": nccl,
                              "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory)})
-    assert script.trainer_api("nccl") == "static"
+    script.check_trainer_api("nccl", "static")
     weights = _weights()
-    api = script.send_nccl(client, weights, {"trainer_device": "cpu", "packed": True}, 30)
+    api = script.send_nccl_static(client, weights, {"trainer_device": "cpu", "packed": True},
+                                  30)
     assert "NCCLWeightTransferEngine.trainer_init + trainer_send_weights" in api
     assert sent["init"]["master_address"] == "127.0.0.1" and sent["init"]["world_size"] == 2
     assert [c for c, _ in client.calls] == ["init", "start", "update", "finish"]
@@ -635,7 +678,7 @@ def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
     _fake_vllm(monkeypatch, {
         "nccl_engine": types.SimpleNamespace(NCCLTrainerInitInfo=NCCLTrainerInitInfo),
         "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory), "base": base})
-    assert script.trainer_api("nccl") == "factory"
+    script.check_trainer_api("nccl", "factory")
     weights, _ = script.corrupt_weights(_weights(), "drop")
     script.send_nccl(client, weights, {"trainer_device": "cpu", "packed": False}, 30)
     info = seen["info"]
@@ -646,8 +689,40 @@ def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
     assert client.calls == []  # the factory's engine calls the routes itself
 
 
+@pytest.mark.parametrize("api, other", [("factory", "static"), ("static", "factory")])
+def test_a_script_on_a_release_that_needs_the_other_api_stops_in_one_line(api, other,
+                                                                         monkeypatch, emitted):
+    """A factory script on 0.26 (its factory takes the backend first and registers no
+    engine), a static one on 0.32 (the factory takes NCCL): one line, before anything."""
+    script = emitted("nccl", "--trainer-api", api)
+
+    class Factory:
+        _registry = {"nccl": object} if other == "factory" else {}
+
+        @classmethod
+        def trainer_init(cls, *args, client, source=None):
+            raise AssertionError("not called")
+
+    class NCCLWeightTransferEngine:
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args):
+            raise AssertionError("not called")
+
+    nccl = types.SimpleNamespace(NCCLWeightTransferEngine=NCCLWeightTransferEngine)
+    if other == "factory":
+        nccl.NCCLTrainerInitInfo = object
+    else:  # 0.26's signature
+        Factory.trainer_init = classmethod(lambda cls, backend, config, init_info: None)
+    _fake_vllm(monkeypatch, {"nccl_engine": nccl,
+                             "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory)})
+    with pytest.raises(script.Unusable) as e:
+        script.check_trainer_api("nccl", api)
+    assert f"this script holds vLLM's {api} trainer API for nccl" in str(e.value)
+    assert "\n" not in str(e.value) and "emit the script again" in str(e.value)
+
+
 def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
-    script = emitted("ipc")
+    script = emitted("ipc", *STATIC)
     client = _Recorder()
     seen = {}
 
@@ -661,8 +736,8 @@ def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
     _fake_vllm(monkeypatch, {
         "ipc_engine": types.SimpleNamespace(IPCWeightTransferEngine=IPCWeightTransferEngine),
         "factory": types.SimpleNamespace(WeightTransferTrainerFactory=None)})
-    assert script.trainer_api("ipc") == "static"
-    script.send_ipc(client, _weights(), {"trainer_device": "cpu", "packed": True}, 30)
+    script.check_trainer_api("ipc", "static")
+    script.send_ipc_static(client, _weights(), {"trainer_device": "cpu", "packed": True}, 30)
     assert seen["args"] == {"send_mode": "http", "url": client.url, "packed": True}
     assert [c for c, _ in client.calls] == ["init", "start", "vllm posts /update_weights",
                                             "finish"]
@@ -670,14 +745,14 @@ def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
 
 
 def test_ipc_engine_that_imports_ray_is_named_with_the_way_out(monkeypatch, emitted):
-    script = emitted("ipc")
+    script = emitted("ipc", *STATIC)
     def missing_ray(module):
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
 
     monkeypatch.setattr(script, "_wt", missing_ray)
     with pytest.raises(script.Unusable, match=r"ipc_engine.py imports ray at module level.*"
                                               r"pip install ray, or rerun with --stub-ray"):
-        script.trainer_api("ipc")
+        script.check_trainer_api("ipc", "static")
 
 
 def test_an_ipc_update_travels_as_json(emitted):
