@@ -226,8 +226,9 @@ class ServerPool:
         out: dict = {}
         for spec, weights in self._warm.get(cfg, []):
             spec = dataclasses.replace(spec, url=srv.url)
+            # off the tests' path: the spares are kept for the fresh trainers tests wait for
             t = Trainer(spec, log_dir=self.log_dir, context=srv.describe_failure,
-                        api_key=cfg.api_key)
+                        api_key=cfg.api_key, spares=False)
             t0 = time.monotonic()
             try:
                 t.prepare(weights, timeout=self.start_timeout)
@@ -235,6 +236,7 @@ class ServerPool:
                 t.close()
                 out["trainer_prepare_error"] = str(e).splitlines()[0]
                 continue
+            t.spares = True  # a restart (after a failed sync) is on a test's path
             out["trainer_prepare_seconds"] = round(time.monotonic() - t0, 3)
             with self._lock:
                 self.trainers.setdefault((cfg, spec), t)

@@ -79,6 +79,9 @@ VLLM_CODE_OPTIONS = ("device", "packed_buffer_size_bytes", "packed_num_buffers",
 # and so is any trainer whose options say {"recover_in_place": False}.
 RECOVERS_IN_PLACE = ("ipc", "shm")
 SCRATCH_ENV = "HARNESS_TRAINER_SCRATCH"
+# Environment variables that change while a run lasts and that a trainer does not read:
+# a spare started under one value serves a trainer started under another.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
 
 
 class TrainerError(RuntimeError):
@@ -118,8 +121,9 @@ class Trainer:
 
     def __init__(self, spec: TrainerSpec, *, log_dir: Path,
                  context: Callable[[], str] | None = None, env: dict | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, spares: bool = True):
         self.spec = spec
+        self.spares = spares  # take over a spare, and start the next one (SPARES)
         self.log_dir = Path(log_dir)
         self.context = context or (lambda: "")
         self.env = env
@@ -153,7 +157,7 @@ class Trainer:
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         spec = dataclasses.asdict(self.spec)
-        spare = SPARES.take(env, self.spec)
+        spare = SPARES.take(env, self.spec) if self.spares else None
         if spare is not None:  # imports done already: tell it who it is
             try:
                 spare.proc.stdin.write((json.dumps({"op": "become", "spec": spec},
@@ -169,7 +173,8 @@ class Trainer:
             self.proc, self.log_path, self.scratch, self._results = _spawn(
                 [json.dumps(spec, default=str)], env, self.log_dir, self.spec.engine)
         self._buf, self.syncs = b"", 0
-        SPARES.replenish(env, self.spec, self.log_dir)
+        if self.spares:
+            SPARES.replenish(env, self.spec, self.log_dir)
         self._started = {"start_seconds": time.monotonic() - t0, "spare": spare is not None}
 
     def prepare(self, weights_dir: str, *, timeout: float = 600.0) -> dict:
@@ -434,6 +439,8 @@ class Spares:
     killed trainer's successor) then does not wait for them. At most ``count`` wait per
     key; ``count`` 0 (the default outside pytest) starts none."""
 
+    MAX_KEYS = 4  # engine x trainer code x device x environment kept at once
+
     def __init__(self) -> None:
         self.count = 0
         self.taken = 0
@@ -442,6 +449,9 @@ class Spares:
 
     @staticmethod
     def _key(env: dict, spec: TrainerSpec) -> tuple:
+        # pytest names the running test in the environment: a key with it would match
+        # only the trainers of the test that started the spare
+        env = {k: v for k, v in env.items() if k not in VOLATILE_ENV}
         return (spec.engine, spec.code, spec.device, tuple(sorted(env.items())))
 
     def take(self, env: dict, spec: TrainerSpec) -> _Spare | None:
@@ -457,12 +467,19 @@ class Spares:
     def replenish(self, env: dict, spec: TrainerSpec, log_dir: Path) -> None:
         if not self.count:
             return
-        idle = self._idle.setdefault(self._key(env, spec), [])
+        key = self._key(env, spec)
+        idle = self._idle.setdefault(key, [])
         while len(idle) < self.count:
             proc, log_path, scratch, results = _spawn(
                 ["--spare", spec.engine, spec.code, spec.device], env,
                 self.log_dir or log_dir, "spare")
             idle.append(_Spare(proc, log_path, scratch, results))
+        # Each spare holds a process's memory, and on a GPU a CUDA context: at most
+        # MAX_KEYS keys keep spares, the one least recently replenished gives way.
+        self._idle[key] = self._idle.pop(key)  # the most recent, last
+        while len(self._idle) > self.MAX_KEYS:
+            for spare in self._idle.pop(next(iter(self._idle))):
+                spare.discard()
 
     def close(self) -> None:
         """Stop every spare still waiting (end of run)."""

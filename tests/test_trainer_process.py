@@ -242,3 +242,61 @@ def test_a_retired_trainer_that_will_not_exit_is_killed_after_its_grace(routes, 
     assert len(RETIRING) == 1 and proc.poll() is None
     RETIRING.drain()
     assert proc.returncode == -signal.SIGKILL and not scratch.exists()
+
+
+def test_a_spare_serves_a_trainer_of_another_test(routes, second_routes, model, tmp_path,
+                                                  monkeypatch):
+    """pytest names the running test in the environment (PYTEST_CURRENT_TEST): a spare
+    started during one test must serve the next test's trainer; a prepare that says
+    ``spares=False`` (the pool's, off the tests' path) neither takes one nor starts one."""
+    monkeypatch.setattr(SPARES, "count", 1)
+    monkeypatch.setattr(SPARES, "log_dir", tmp_path)
+    monkeypatch.setattr(SPARES, "_idle", {})
+    a = Trainer(_spec(routes), log_dir=tmp_path)
+    try:
+        a.sync(model, timeout=120)
+        [spare] = [s.proc.pid for idle in SPARES._idle.values() for s in idle]
+        aside = Trainer(_spec(second_routes), log_dir=tmp_path, spares=False)
+        aside.sync(model, timeout=120)
+        assert aside.pid != spare and len([s for i in SPARES._idle.values() for s in i]) == 1
+        aside.close()
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_other.py::test_next (call)")
+        b = Trainer(_spec(second_routes), log_dir=tmp_path)
+        result = b.sync(model, timeout=120)
+        assert b.pid == spare and result["spare"] is True
+        b.close()
+    finally:
+        a.close()
+        SPARES.close()
+
+
+def test_spares_are_kept_for_a_few_keys_only(tmp_path, monkeypatch):
+    """Each spare holds a process (on a GPU a CUDA context): once more than MAX_KEYS
+    engine/code/device/environment keys have spares, the least recently replenished
+    key's spares are stopped."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(SPARES, "count", 1)
+    monkeypatch.setattr(SPARES, "_idle", {})
+    started = []
+
+    def spawn(args, env, log_dir, what):  # a process that waits, no trainer imports
+        p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE, start_new_session=True)
+        started.append(p)
+        r, w = __import__("os").pipe()
+        __import__("os").close(w)
+        return p, tmp_path / f"{len(started)}.log", tmp_path / f"s{len(started)}", r
+
+    monkeypatch.setattr("harness.trainer._spawn", spawn)
+    try:
+        for i in range(SPARES.MAX_KEYS + 2):
+            SPARES.replenish({"K": str(i)}, TrainerSpec.make(url="u", engine="shm", packed=True),
+                             tmp_path)
+        assert len(SPARES._idle) == SPARES.MAX_KEYS and len(started) == SPARES.MAX_KEYS + 2
+        assert started[0].poll() is not None and started[1].poll() is not None  # stopped
+        assert all(p.poll() is None for p in started[2:])
+    finally:
+        SPARES.close()
+    assert all(p.poll() is not None for p in started)
