@@ -370,11 +370,18 @@ class ServerPool:
                 f.result(timeout=60).stop()
             except Exception:  # it failed to start (we stopped it): nothing left to stop
                 pass
-        for cfg in list(self.servers):
-            try:
-                self._stop(cfg, "the run ended")
-            except ServerError as e:
-                errors.append(str(e))
+        # Side by side: a GPU server takes seconds to exit, and an interrupted run (a
+        # job's time limit) may hold twenty of them with half a minute left to stop.
+        cfgs = list(self.servers)
+        for cfg in cfgs:
+            self.drop_trainers(cfg)
+        if cfgs:
+            with cf.ThreadPoolExecutor(max_workers=len(cfgs)) as stopping:
+                for f in [stopping.submit(self._stop, cfg, "the run ended") for cfg in cfgs]:
+                    try:
+                        f.result()
+                    except ServerError as e:
+                        errors.append(str(e))
         self._executor.shutdown(wait=False, cancel_futures=True)
         if errors:
             raise ServerError("\n".join(errors))

@@ -482,14 +482,20 @@ class Spares:
                 spare.discard()
 
     def close(self) -> None:
-        """Stop every spare still waiting (end of run)."""
+        """Stop every spare still waiting (end of run): all are told at once (a waiting
+        spare exits on end of input) and given 5 s between them, then killed."""
+        for spare in [s for idle in self._idle.values() for s in idle]:
+            try:
+                spare.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
         for idle in self._idle.values():
             while idle:  # one at a time off the list: an interrupted close can be re-run
                 spare = idle.pop()
                 try:
-                    spare.proc.stdin.close()  # a waiting spare exits on end of input
-                    spare.proc.wait(timeout=5)
-                except (OSError, subprocess.TimeoutExpired):
+                    spare.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
                     pass
                 finally:
                     spare.discard()

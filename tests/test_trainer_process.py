@@ -300,3 +300,35 @@ def test_spares_are_kept_for_a_few_keys_only(tmp_path, monkeypatch):
     finally:
         SPARES.close()
     assert all(p.poll() is not None for p in started)
+
+
+def test_the_end_of_a_run_tells_every_spare_at_once(tmp_path, monkeypatch):
+    """SPARES.close tells all spares to go before it waits for any: each stand-in spare
+    here exits by itself (code 0) only once every one has been told; told one after
+    another, the first would be killed at the end of its wait."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(SPARES, "count", 3)
+    monkeypatch.setattr(SPARES, "_idle", {})
+    code = ("import os, sys, time; sys.stdin.read(); open(os.path.join(sys.argv[1], "
+            "str(os.getpid())), 'w').close(); t = time.time() + 10\n"
+            "while len(os.listdir(sys.argv[1])) < 3 and time.time() < t: time.sleep(0.05)\n"
+            "sys.exit(0 if len(os.listdir(sys.argv[1])) == 3 else 3)")
+    told = tmp_path / "told"
+    told.mkdir()
+    started = []
+
+    def spawn(args, env, log_dir, what):
+        p = subprocess.Popen([sys.executable, "-c", code, str(told)], stdin=subprocess.PIPE,
+                             start_new_session=True)
+        started.append(p)
+        r, w = os.pipe()
+        os.close(w)
+        return p, tmp_path / f"{len(started)}.log", tmp_path / f"s{len(started)}", r
+
+    monkeypatch.setattr("harness.trainer._spawn", spawn)
+    SPARES.replenish({}, TrainerSpec.make(url="u", engine="shm", packed=True), tmp_path)
+    SPARES.close()
+    assert len(started) == 3 and [p.returncode for p in started] == [0, 0, 0]

@@ -247,3 +247,27 @@ def test_a_test_that_takes_only_the_case_plans_no_server(pytester, monkeypatch):
     assert any("0 servers planned" in line for line in alone.outlines), alone.outlines
     both = pytester.runpytest(*args)
     assert any("1 servers planned" in line for line in both.outlines), both.outlines
+
+
+def test_the_end_of_a_run_stops_its_servers_side_by_side(fake_pool, monkeypatch):
+    """stop_all stops every live server at once, not one after another: an interrupted
+    GPU run has about 20 servers and half a minute before it is killed. Each fake
+    server's stop waits until all have begun stopping (or 10 s): stops made one at a time
+    would find the others not begun."""
+    cfgs = [_cfg(model=f"m{i}") for i in range(4)]
+    pool = fake_pool(max_alive=4, max_starting=4)
+    pool.plan(cfgs)
+    for c in cfgs:
+        pool.get(c, user="t")
+    all_begun, together = threading.Barrier(len(cfgs), timeout=10), []
+
+    def stop(self):
+        try:
+            all_begun.wait()
+            together.append(True)
+        except threading.BrokenBarrierError:
+            together.append(False)
+
+    monkeypatch.setattr(_FakeServer, "stop", stop)
+    pool.stop_all()
+    assert not pool.servers and len(together) == len(cfgs) and all(together)
