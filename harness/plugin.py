@@ -313,7 +313,21 @@ def pytest_runtestloop(session: pytest.Session):
                 RETIRING.drain()
 
 
+def _interruptible() -> None:
+    """A process started in the background by a non-interactive shell (``cmd &``, a CI
+    step, ``nohup``) begins with SIGINT ignored, so Ctrl-C and ci/gpu-run.sh's time limit
+    (SIGINT) would do nothing, and the kill that follows leaves servers running. A run
+    that starts servers takes SIGINT back, as Python's own handler."""
+    import signal
+    import threading
+
+    if (signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
+    _interruptible()
     s = state.settings
     log_dir = Path(s.vllm_log_dir)
     if not log_dir.is_absolute():
