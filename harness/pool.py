@@ -375,13 +375,19 @@ class ServerPool:
         cfgs = list(self.servers)
         for cfg in cfgs:
             self.drop_trainers(cfg)
-        if cfgs:
-            with cf.ThreadPoolExecutor(max_workers=len(cfgs)) as stopping:
-                for f in [stopping.submit(self._stop, cfg, "the run ended") for cfg in cfgs]:
-                    try:
-                        f.result()
-                    except ServerError as e:
-                        errors.append(str(e))
+
+        def stop(cfg: ServerConfig) -> None:
+            try:
+                self._stop(cfg, "the run ended")
+            except ServerError as e:
+                errors.append(str(e))
+        try:
+            if cfgs:
+                with cf.ThreadPoolExecutor(max_workers=len(cfgs)) as stopping:
+                    list(stopping.map(stop, cfgs))
+        except RuntimeError:  # at interpreter exit (atexit) no thread starts: one by one
+            for cfg in [c for c in cfgs if c in self.servers]:
+                stop(cfg)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if errors:
             raise ServerError("\n".join(errors))

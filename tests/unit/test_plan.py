@@ -271,3 +271,24 @@ def test_the_end_of_a_run_stops_its_servers_side_by_side(fake_pool, monkeypatch)
     monkeypatch.setattr(_FakeServer, "stop", stop)
     pool.stop_all()
     assert not pool.servers and len(together) == len(cfgs) and all(together)
+
+
+def test_the_end_of_a_run_stops_its_servers_at_interpreter_exit_too(fake_pool, monkeypatch):
+    """stop_all is also the atexit safety net, when no thread may start any more: then
+    it stops the servers one by one instead of failing."""
+    import concurrent.futures as cf
+
+    cfgs = [_cfg(model=f"m{i}") for i in range(3)]
+    pool = fake_pool(max_alive=3, max_starting=3)
+    pool.plan(cfgs)
+    for c in cfgs:
+        pool.get(c, user="t")
+    stopped = []
+    monkeypatch.setattr(_FakeServer, "stop", lambda self: stopped.append(self))
+
+    def refuse(self, *a, **kw):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", refuse)
+    pool.stop_all()
+    assert not pool.servers and len(stopped) == 3
