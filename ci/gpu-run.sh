@@ -12,7 +12,9 @@
 #
 # GPU_RUN_SECONDS=N: interrupt pytest after N seconds (Ctrl-C: servers are stopped and
 # the report is written), killing it 30 s later if it does not stop. Use it under a
-# job limit; even a killed run leaves the report of the tests that finished.
+# job limit; even a killed run leaves the report of the tests that finished. Started in
+# the background (a CI step, `cmd &`, nohup), pytest begins with SIGINT ignored; the
+# harness takes it back once it starts servers, so the limit still interrupts it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: ci/gpu-run.sh OUTDIR [pytest args...]}; shift
