@@ -35,13 +35,14 @@ from .trainer import TrainerCodeUnavailable, TrainerSpec, run_trainer
 # {name: seconds})``), and the report adds what is left of the test's duration as
 # "other". The seed flow's steps are phases of their own.
 PHASES = ("server_wait", "reference", "before", "sync", "after", "observe", "twin_wait")
-# What the report keeps of each sync: the transfer, and where a sync's wall time went
-# besides it (a trainer's start or a spare taken over, its CUDA context, loading the
-# weights, building the sender, opening the group, the trainers dropped before a fresh
-# one and the wait for it to go, the child's whole command).
+# What the report keeps of each sync: the transfer (every sync), and where the sync's
+# wall time went besides it, where the trainer said (a trainer's start or a spare taken
+# over, its CUDA context, building the sender, the trainers dropped before a fresh one
+# and the wait for it to go, the child's whole command).
 SYNC_FIELDS = ("sync_seconds", "init_seconds", "load_seconds", "first", "bytes", "tensors",
-               "corruption", "api_path", "start_seconds", "spare", "cuda_init_seconds",
-               "sender_seconds", "drop_seconds", "close_seconds", "seconds")
+               "corruption", "api_path")
+SYNC_TIMES = ("start_seconds", "spare", "cuda_init_seconds", "sender_seconds",
+              "drop_seconds", "close_seconds", "seconds")
 
 
 def trainer_spec(case: Case, url: str, options: dict | None = None,
@@ -206,8 +207,8 @@ class SyncSession:
                     server_start_seconds=self.server.start_seconds,
                     vllm_version=self.server.version)
         if self.on_record is not None:
-            self.on_record("sync", {**{k: result.get(k) for k in SYNC_FIELDS[:8]},
-                                    **{k: result[k] for k in SYNC_FIELDS[8:] if k in result},
+            self.on_record("sync", {**{k: result.get(k) for k in SYNC_FIELDS},
+                                    **{k: result[k] for k in SYNC_TIMES if k in result},
                                     "pause_seconds": run.timings.pause_seconds,
                                     "push_seconds": run.timings.push_seconds,
                                     "resume_seconds": run.timings.resume_seconds})

@@ -301,7 +301,7 @@ def _json_safe(v: Any) -> Any:
     return str(v)
 
 
-# Where a sync that started a trainer spent its time (see flow.SYNC_FIELDS)
+# Where a sync that started a trainer spent its time (see flow.SYNC_TIMES)
 _START_PIECES = ("start_seconds", "cuda_init_seconds", "load_seconds", "sender_seconds",
                  "init_seconds", "sync_seconds", "drop_seconds", "close_seconds",
                  "push_seconds")

@@ -381,7 +381,7 @@ class Retiring:
             if entry[0].poll() is None and time.monotonic() < entry[3]:
                 left.append(entry)
             else:
-                self._reap(*entry[:3])
+                _reap(*entry[:3])
         self._procs = left
 
     def drain(self) -> None:
@@ -392,20 +392,22 @@ class Retiring:
             except subprocess.TimeoutExpired:
                 pass
             finally:
-                self._reap(proc, results, scratch)
+                _reap(proc, results, scratch)
 
     def __len__(self) -> int:
         return len(self._procs)
 
-    @staticmethod
-    def _reap(proc: subprocess.Popen, results: int | None, scratch: Path | None) -> None:
-        _kill_session(proc)  # whatever it started goes with it
-        if results is not None:
-            os.close(results)
-        if scratch is not None:
-            import shutil
 
-            shutil.rmtree(scratch, ignore_errors=True)
+def _reap(proc: subprocess.Popen, results: int | None, scratch: Path | None) -> None:
+    """A child that is done (exited or not): its session killed (whatever it started
+    goes with it), its result pipe closed, its scratch directory removed."""
+    _kill_session(proc)
+    if results is not None:
+        os.close(results)
+    if scratch is not None:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 RETIRING = Retiring()
@@ -422,12 +424,8 @@ class _Spare:
         """Kill it and remove what it owns; a second call does nothing."""
         if self.results < 0:
             return
-        _kill_session(self.proc)
-        os.close(self.results)
-        self.results = -1
-        import shutil
-
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        results, self.results = self.results, -1
+        _reap(self.proc, results, self.scratch)
 
 
 class Spares:

@@ -553,7 +553,7 @@ def _warm_imports(engine: str, code: str, device: str) -> None:
         except Exception:
             pass
     try:
-        from transformers import AutoModelForCausalLM  # noqa: F401  (a lazy module's import)
+        importlib.import_module("transformers").AutoModelForCausalLM  # a lazy module's import
     except Exception:
         pass
     if engine != "shm" or code == "vllm":
@@ -575,7 +575,8 @@ def _warm_imports(engine: str, code: str, device: str) -> None:
 
 def _spare_main(engine: str, code: str, device: str, result_fd: int) -> int:
     """A spare (``python -m harness.trainer_child --spare ENGINE CODE DEVICE FD``):
-    imports and CUDA context done, it waits for its first line, ``{"op": "become", "spec": ...}``, and from then
+    imports and CUDA context done, it waits for its first line,
+    ``{"op": "become", "spec": ...}``, and from then
     on is the trainer of that spec. A spare never taken exits when its stdin closes."""
     _warm_imports(engine, code, device)
     line = sys.stdin.readline()
