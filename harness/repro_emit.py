@@ -18,8 +18,9 @@ code:
   of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a trainer API (``factory``,
   ``static``: an NCCL or IPC script holds one, the installed vLLM's unless
   ``--trainer-api`` names it), a model source (``zoo``, ``path``, ``hub``,
-  ``smollm2``), ``steps``, ``gpu`` (a GPU layout) or ``corrupt``; ``template`` is never
-  needed (what only the template itself does); the marker lines always go;
+  ``smollm2``), ``steps``, ``gpu`` (a GPU layout), ``corrupt`` and ``corrupt_<kind>``;
+  ``template`` (what only the template itself does) and ``harness`` (what only the
+  harness asks of a portable module) are never needed; the marker lines always go;
 * the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
   ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
   only, read back with ``ast.literal_eval`` before the file is written; a text of
@@ -182,7 +183,7 @@ def scenario_data(*, variant: Any, layout: Any, dtype: str, model: dict[str, Any
         "tensor_parallel_size": layout.tensor_parallel_size,
         "trainer_device": layout.trainer_device,
         "dtype": dtype, "model": model, "trainer_api": trainer_api, "pause_mode": pause_mode,
-        "corrupt": corrupt, "corrupt_target": None,
+        "corrupt": corrupt,
         "server_flags": list(server_flags), "server_env": dict(server_env),
         **check,
         "expected_verdict": expectation.verdict, "ran": expectation.ran,
@@ -314,7 +315,7 @@ def needs(scenario: dict[str, Any]) -> set[str]:
     if scenario.get("server_gpus"):
         found.add("gpu")
     if scenario.get("corrupt"):
-        found.add("corrupt")
+        found |= {"corrupt", f"corrupt_{scenario['corrupt']}"}
     return found
 
 

@@ -357,7 +357,7 @@ def trainer_weights(model: str, sc: dict[str, Any]) -> tuple[list[tuple[str, Any
     weights = [(n, p.detach()) for n, p in hf.to(device).eval().named_parameters()]
     # [region corrupt]
     if sc["corrupt"]:
-        return corrupt_weights(weights, sc["corrupt"], sc.get("corrupt_target"))
+        return corrupt_weights(weights, sc["corrupt"])
     # [end]
     return weights, "none"
 
