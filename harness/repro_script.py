@@ -80,7 +80,7 @@ from harness.portable.recipes import build_smollm2, build_tiny_model
 from harness.portable.send_ipc import json_safe_update_info, send_ipc, send_ipc_static
 from harness.portable.send_nccl import send_nccl, send_nccl_static
 from harness.portable.send_shm import send_shm, setup_shm
-from harness.portable.steps import Step
+from harness.portable.steps import LEFT_BEHIND
 from harness.portable.trainer_api import check_trainer_api
 
 # -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"\nREPRODUCED: the verdict is {verdict!r}, as expected." if reproduced else
         f"\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}.")
     # [region steps]
-    if any(s.thread.is_alive() for s in Step.left_behind):
+    if any(t.is_alive() for t in LEFT_BEHIND):
         sys.stdout.flush()  # a thread blocked in NCCL would keep the interpreter from exiting
         os._exit(0 if reproduced else 1)
     # [end]

@@ -6,7 +6,7 @@ import base64
 import pickle
 from typing import Any
 
-from harness.portable.steps import Step
+from harness.portable.steps import in_flight
 from harness.portable.trainer_api import engine_module, factory_for, weight_source
 # [region factory]
 
@@ -57,10 +57,10 @@ def send_ipc_static(client: Any, weights: list[tuple[str, Any]], sc: dict[str, A
     engine = engine_module("ipc").IPCWeightTransferEngine
     client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
     client.start_weight_update()
-    Step("IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
-         lambda: engine.trainer_send_weights(
-             iter(weights), {"send_mode": "http", "url": client.url, "packed": packed}),
-         device).result(timeout)
+    in_flight(timeout, device, (
+        "IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
+        lambda: engine.trainer_send_weights(
+            iter(weights), {"send_mode": "http", "url": client.url, "packed": packed})))
     client.finish_weight_update()
     return ("IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), init/start/finish "
             "called by this script")

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -601,6 +602,31 @@ class _Rendezvous(_Recorder):
     def update_weights(self, info):
         super().update_weights(info)
         assert self.broadcast.wait(5), "the broadcast never ran while update was in flight"
+
+
+def test_calls_in_flight_end_together_or_are_left_behind(monkeypatch, emitted):
+    """The NCCL side and its HTTP call run at once: results in order; a failure ends the
+    wait for a peer still blocked (left behind, named); a call past the deadline too."""
+    script = emitted("nccl", *STATIC)
+    monkeypatch.setattr(script, "GRACE_S", 0.2)
+    assert script.in_flight(5, "cpu", ("a", lambda: 1), ("b", lambda: 2)) == [1, 2]
+    release = threading.Event()
+
+    def fail():
+        raise ValueError("HTTP 500")
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="^nccl: still blocked after http failed; that "
+                                           "failure was: HTTP 500$"):
+        script.in_flight(60, "cpu", ("http", fail), ("nccl", release.wait))
+    assert time.monotonic() - t0 < 10  # the failure ended the wait, not the deadline
+    assert [t.name for t in script.LEFT_BEHIND] == ["nccl"]
+    with pytest.raises(ValueError, match="HTTP 500"):  # the other one ended: its own error
+        script.in_flight(5, "cpu", ("http", fail), ("nccl", lambda: None))
+    with pytest.raises(TimeoutError, match="^stuck: not done within 0s$"):
+        script.in_flight(0.3, "cpu", ("stuck", release.wait))
+    assert [t.name for t in script.LEFT_BEHIND] == ["nccl", "stuck"]
+    release.set()
 
 
 def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
