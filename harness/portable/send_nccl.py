@@ -1,4 +1,4 @@
-"""The trainer's NCCL send: rank 0 of a group whose other ranks are the server's workers."""
+"""NCCL: the trainer is rank 0 of a group with the server's workers."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ from harness.portable.trainer_api import _wt, engine_module, factory_for, weight
 def rendezvous(client: Any, device: str) -> dict[str, Any]:
     """The NCCL group: the trainer is rank 0, the server's workers the other ranks."""
     group = {"master_address": "127.0.0.1", "master_port": free_port(),
-             "world_size": client.world_size() + 1}
-    say(f"      NCCL group: trainer rank 0 on {device}, world size {group['world_size']}, "
+             "world_size": int(client.call("GET", "/get_world_size")["world_size"]) + 1}
+    say(f"NCCL group: trainer rank 0 on {device}, world size {group['world_size']}, "
         f"rendezvous 127.0.0.1:{group['master_port']}")
     return group
 # [region factory]
 
 
-def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
-              timeout: float) -> str:
+def send_nccl(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
     """vLLM's factory trainer API (0.32+): its NCCL trainer engine calls the routes
     through ``client`` and keeps each in flight while it does its part of the collective
     (/init_weight_transfer_engine returns once every rank has joined, /update_weights
@@ -40,8 +39,7 @@ def send_nccl(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
 # [region static]
 
 
-def send_nccl_static(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
-                     timeout: float) -> str:
+def send_nccl_static(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
     """vLLM 0.26's static API (0.27.1's too): NCCLWeightTransferEngine's trainer_init
     and trainer_send_weights, with the routes called here, each in flight while the
     trainer does its part (/init_weight_transfer_engine returns once every rank has

@@ -442,8 +442,8 @@ def test_emitted_text_that_would_break_the_docstring_is_escaped(tmp_path):
 def test_the_recipe_in_the_script_builds_the_zoo_model_bit_for_bit(tmp_path):
     from safetensors.torch import load_file
 
-    sc = repro_emit.read_scenario(_emit(tmp_path, "r.py").read_text())
-    built = Path(script.prepare_model(sc["model"], tmp_path, None))
+    emitted = _load(_emit(tmp_path, "r.py"))
+    built = Path(emitted.prepare_model(emitted.SCENARIO["model"], tmp_path))
     zoo = models.model_dir("llama")
     a, b = {}, {}
     for f in sorted(zoo.glob("*.safetensors")):
@@ -461,7 +461,7 @@ def test_the_recipe_in_the_script_builds_the_zoo_model_bit_for_bit(tmp_path):
 def test_a_missing_model_directory_or_engine_file_is_named(tmp_path):
     with pytest.raises(script.Unusable, match="is not here: copy it and pass --model-dir"):
         script.prepare_model({"name": "m", "source": "path", "path": str(tmp_path / "gone")},
-                             tmp_path, None)
+                             tmp_path)
     emitted = _load(_emit(tmp_path, "r.py"))
     with pytest.raises(emitted.Unusable, match="needs its engine file next to this script"):
         emitted.shm_engine_file({"shm_engine_file": "nowhere_shm_engine.py"})
@@ -592,8 +592,9 @@ class _Rendezvous(_Recorder):
         super().__init__()
         self.joined, self.broadcast = threading.Event(), threading.Event()
 
-    def world_size(self):
-        return 1
+    def call(self, method, route):
+        assert (method, route) == ("GET", "/get_world_size")
+        return {"world_size": 1}
 
     def init_weight_transfer_engine(self, info):
         super().init_weight_transfer_engine(info)
@@ -676,8 +677,7 @@ def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
 
 def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
     script = emitted("nccl", "--corrupt", "drop")
-    client = _Recorder()
-    client.world_size = lambda: 1
+    client = _Rendezvous()  # no route is called but /get_world_size
     seen = {}
 
     @dataclasses.dataclass
