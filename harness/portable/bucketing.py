@@ -1,4 +1,4 @@
-"""The shm backend's bucketing, one for the harness's shm sender and the script's.
+"""Bucketing for shm, one for the harness's sender and the script's.
 
 Named tensors cut into buckets of at most a number of bytes (one bucket for ``None``), in
 order."""

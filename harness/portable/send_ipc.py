@@ -1,4 +1,4 @@
-"""The trainer's CUDA IPC send: handles to its tensors, posted in /update_weights.
+"""CUDA IPC: handles to the trainer's tensors go in /update_weights.
 
 Each handle names the trainer's current CUDA device (trainer_weights sets it); the workers
 open them on the same physical GPU (matched by UUID)."""
@@ -15,8 +15,9 @@ from harness.portable.trainer_api import engine_module, factory_for, weight_sour
 
 
 def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine calls the routes
-    through ``client`` (whose calls time out after ``timeout``)."""
+    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine calls the routes through
+    ``client`` (whose calls time out after ``timeout``); the workers open the handles on the
+    physical GPU of the trainer's current device (matched by UUID)."""
     info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=sc["packed"])
     # calls /init_weight_transfer_engine
     trainer = factory_for("ipc").trainer_init(info, client=client, source=weight_source(weights))
@@ -40,8 +41,9 @@ def json_safe_update_info(update_info: Any) -> Any:
 
 
 def send_ipc_static(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts the
-    handles in /update_weights itself (send_mode "http"); the other routes are called here."""
+    """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts the handles
+    in /update_weights itself (send_mode "http"), the other routes are called here; the
+    workers open them on the physical GPU of the trainer's device (matched by UUID)."""
     engine = engine_module("ipc").IPCWeightTransferEngine
     client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
     client.start_weight_update()

@@ -1,4 +1,4 @@
-"""The trainer's shm send (the harness's reference backend): safetensors on /dev/shm.
+"""shm (the harness's reference backend): safetensors on /dev/shm.
 
 vLLM loads weight-transfer engines in the worker processes it spawns, so the script
 registers the worker-side engine (a file next to it, a copy of
