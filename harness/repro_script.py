@@ -331,11 +331,10 @@ def trainer_weights(model: str, sc: dict[str, Any]) -> tuple[list[tuple[str, Any
     return weights, "none"
 
 
-def parse_args(argv: list[str] | None, sc: dict[str, Any] | None) -> argparse.Namespace:
-    sc = sc or {}
+def parse_args(argv: list[str] | None, sc: dict[str, Any]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--expect", choices=("parity", "mismatch", "error"),
-                    default=sc.get("expected_verdict"),
+                    default=sc["expected_verdict"],
                     help="the verdict that counts as reproduced (default: the scenario's)")
     ap.add_argument("--workdir", type=Path, help="model, plugin and server log go here "
                     "(default: SCRIPT-work/ next to the script)")
@@ -345,7 +344,7 @@ def parse_args(argv: list[str] | None, sc: dict[str, Any] | None) -> argparse.Na
     # [end]
     for opt, what in (("start", "for the server to become healthy"),
                       ("sync", "for one blocking step of the sync")):
-        ap.add_argument(f"--{opt}-timeout", type=float, default=sc.get(f"{opt}_timeout", 600.0),
+        ap.add_argument(f"--{opt}-timeout", type=float, default=sc[f"{opt}_timeout"],
                         help=f"seconds {what}")
     # [region static]
     # [region ipc]
@@ -469,13 +468,13 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
 
 def main(argv: list[str] | None = None) -> int:
     sc = SCENARIO
-    args = parse_args(argv, sc)
     # [region template]
     if sc is None:
         print(f"{Path(__file__).name}: this is the template and holds no scenario; "
               "`harness repro --emit PATH` writes a script that does", file=sys.stderr)
         return 2
     # [end]
+    args = parse_args(argv, sc)
     script = Path(__file__).resolve()
     workdir = (args.workdir or script.parent / f"{script.stem}-work").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
