@@ -210,7 +210,7 @@ ENGINE_CODE = {"nccl": "def send_nccl", "ipc": "def send_ipc", "shm": "def send_
                "bucketing": "def buckets(", "corruptions": "def corrupt_weights(",
                "smollm2": "def build_smollm2("}
 MAX_LINES = 400  # the target for an emitted NCCL or IPC script, a bug report's attachment
-LINES_NOW = 670  # what they hold at most now (NCCL static: 664); no script may grow past it
+LINES_NOW = 670  # what they hold at most now (NCCL static: 663); no script may grow past it
 APIS = {"factory": ("def send_{}(", "def send_{}_static("),
         "static": ("def send_{}_static(", "def send_{}(")}
 
