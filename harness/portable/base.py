@@ -1,4 +1,4 @@
-"""What the portable modules share: Unusable, say, the vLLM version, a free port."""
+"""What the portable modules share."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ class Unusable(Exception):
     """Something the script needs is missing; nothing was run (exit 2)."""
 
 
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
+def say(msg: str) -> None:  # a line of narration, under its step's [i/9] heading
+    print(f"      {msg}", flush=True)
 
 
 def vllm_version() -> str:

@@ -1,6 +1,7 @@
-"""The shm backend's bucketing: named tensors cut into buckets of at most a number of
-bytes (one bucket for ``None``), in order; the harness's shm sender and the emitted
-script's cut the same buckets."""
+"""Bucketing for shm, one for the harness's sender and the script's.
+
+Named tensors cut into buckets of at most a number of bytes (one bucket for ``None``), in
+order."""
 
 from __future__ import annotations
 

@@ -1,40 +1,62 @@
-"""The deliberate corruptions of the parity self-tests: the harness's trainer damages
-its weights with these, and so does an emitted repro script."""
+"""The deliberate corruptions of the parity self-tests.
+
+The harness's trainer damages its weights with these, and so does an emitted repro script,
+which holds only its scenario's kind (region ``corrupt_<kind>``) and none of what only
+the harness asks for (region ``harness``: no corruption, a named target)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-
+# [region harness]
 CORRUPTIONS = ("drop", "scale", "swap", "nothing", "nan")
+# [end]
 
 
 def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: str | None = None
                     ) -> tuple[list[tuple[str, Any]], str]:
     """Deliberate damage, as the harness's trainer does it; returns (weights, what)."""
+    # [region harness]
     if kind is None:
         return weights, "none"
     if kind not in CORRUPTIONS:
         raise ValueError(f"unknown corruption {kind!r}; known: {', '.join(CORRUPTIONS)}")
+    # [end]
+    # [region harness corrupt_drop corrupt_scale corrupt_nan corrupt_swap]
     names = [n for n, _ in weights]
+    # [region harness]
     if target is not None and target not in names:
         raise ValueError(f"corruption target {target!r} is not a tensor of the model")
+    # [end]
+    # the middle matrix, embeddings aside
     mats = [n for n, t in weights if t.ndim == 2 and "embed" not in n and "wte" not in n]
     pick = target or (mats[len(mats) // 2] if mats else names[len(names) // 2])
+    # [end]
+    # [region corrupt_nothing]
     if kind == "nothing":
         return [], "sent no tensor at all"
+    # [end]
+    # [region corrupt_drop]
     if kind == "drop":
         return [(n, t) for n, t in weights if n != pick], f"dropped {pick}"
+    # [end]
+    # [region corrupt_scale]
     if kind == "scale":
         return [(n, t * 1.01 if n == pick else t) for n, t in weights], f"scaled {pick} by 1.01"
+    # [end]
+    # [region corrupt_nan]
     if kind == "nan":  # what a diverged training step pushes
         return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
+    # [end]
+    # [region corrupt_swap]
     # swap: ``pick`` trades contents with another tensor of its shape
     lookup = dict(weights)
     same = [n for n in names if n != pick and tuple(lookup[n].shape) == tuple(lookup[pick].shape)]
     if not same:
+        # [region harness]
         if target is not None:
             raise ValueError(f"no other tensor has the shape of {target}: cannot swap it")
+        # [end]
         shapes: dict[tuple, list[str]] = {}
         for n in names:
             shapes.setdefault(tuple(lookup[n].shape), []).append(n)
@@ -44,3 +66,4 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         pick, same = pair[0], [pair[1]]
     a, b = pick, same[0]
     return [(b if n == a else a if n == b else n, lookup[n]) for n in names], f"swapped {a} and {b}"
+    # [end]

@@ -1,4 +1,4 @@
-"""The zoo's model recipes: a tiny model from its recipe (data), SmolLM2 from its GGUF.
+"""Build the zoo's models: from a recipe (data), SmolLM2 from its GGUF.
 
 The harness's zoo (harness/models.py) builds its models with these functions, and a
 script emitted for a bug report carries them, so that it builds the zoo model bit for
@@ -34,9 +34,9 @@ def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
 
 
 def init_weights(model, seed: int) -> None:
-    """Deterministic weights with a spread wide enough that greedy decoding is decided
-    by clear margins rather than by float noise: std 0.15 for matrices (logit std ~2.4
-    at hidden size 256), norms near (not at) one, small biases."""
+    """Deterministic weights spread wide enough that clear margins, not float noise, decide
+    greedy decoding: std 0.15 for matrices (logit std ~2.4 at hidden size 256), norms near
+    (not at) one, small biases."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -52,8 +52,8 @@ def init_weights(model, seed: int) -> None:
 
 
 def build_tiny_model(recipe: dict[str, Any], out: Path) -> None:
-    """A tiny model from its recipe (transformers class name, config, seed, tokenizer
-    recipe): float32 safetensors, config and tokenizer in ``out``."""
+    """A tiny model from its recipe (transformers class, config, seed, tokenizer recipe):
+    float32 safetensors, config and tokenizer in ``out``."""
     import torch
     import transformers
 

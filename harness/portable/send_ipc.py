@@ -1,4 +1,7 @@
-"""The trainer's CUDA IPC send: handles to its tensors, posted in /update_weights."""
+"""CUDA IPC: handles to the trainer's tensors go in /update_weights.
+
+Each handle names the trainer's current CUDA device (trainer_weights sets it); the workers
+open them on the same physical GPU (matched by UUID)."""
 
 from __future__ import annotations
 
@@ -6,24 +9,18 @@ import base64
 import pickle
 from typing import Any
 
-from harness.portable.steps import Step
+from harness.portable.steps import in_flight
 from harness.portable.trainer_api import engine_module, factory_for, weight_source
 # [region factory]
 
 
-def send_ipc(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
-             timeout: float) -> str:
-    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine posts CUDA IPC handles
-    to the trainer's tensors in /update_weights through ``client``, whose calls time out
-    after ``timeout``; the workers open them on the same physical GPU (matched by UUID)."""
-    import torch
-
-    if sc["trainer_device"].startswith("cuda"):  # each handle names the current device's GPU
-        torch.cuda.set_device(torch.device(sc["trainer_device"]))
+def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
+    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine calls the routes through
+    ``client`` (whose calls time out after ``timeout``); the workers open the handles on the
+    physical GPU of the trainer's current device (matched by UUID)."""
     info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=sc["packed"])
-    factory = factory_for("ipc")
     # calls /init_weight_transfer_engine
-    trainer = factory.trainer_init(info, client=client, source=weight_source(weights))
+    trainer = factory_for("ipc").trainer_init(info, client=client, source=weight_source(weights))
     trainer.send_weights()  # /start_weight_update, /update_weights, /finish_weight_update
     return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
 
@@ -43,26 +40,18 @@ def json_safe_update_info(update_info: Any) -> Any:
 # [region static]
 
 
-def send_ipc_static(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
-                    timeout: float) -> str:
-    """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts CUDA IPC
-    handles to the trainer's tensors in /update_weights itself (send_mode "http"); the
-    other three routes are called here. The workers open the handles on the same
-    physical GPU (matched by UUID)."""
-    import torch
-
-    device, packed = sc["trainer_device"], sc["packed"]
-    if device.startswith("cuda"):  # each handle names the current device's GPU
-        torch.cuda.set_device(torch.device(device))
+def send_ipc_static(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
+    """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts the handles
+    in /update_weights itself (send_mode "http"), the other routes are called here; the
+    workers open them on the physical GPU of the trainer's device (matched by UUID)."""
     engine = engine_module("ipc").IPCWeightTransferEngine
     client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
     client.start_weight_update()
-    Step("IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
-         lambda: engine.trainer_send_weights(
-             iter(weights), {"send_mode": "http", "url": client.url, "packed": packed}),
-         device).result(timeout)
+    in_flight(timeout, sc["trainer_device"], (
+        "IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
+        lambda: engine.trainer_send_weights(
+            iter(weights), {"send_mode": "http", "url": client.url, "packed": sc["packed"]})))
     client.finish_weight_update()
     return ("IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), init/start/finish "
             "called by this script")
 # [end]
-

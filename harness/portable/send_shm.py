@@ -1,12 +1,13 @@
-"""The trainer's shm send (the harness's reference backend, on the CPU): safetensors
-buckets on /dev/shm. vLLM loads weight-transfer engines in the worker processes it
-spawns, so the script registers the worker-side engine (a file next to it, a copy of
-harness/backends/shm_engine.py) through a vLLM general plugin: ``setup_shm`` puts a
-copy of the script (``__file__``: this code runs inside the emitted script) and of the
-engine file in WORKDIR/plugin with a *.dist-info/entry_points.txt, and that directory
-goes on the server's PYTHONPATH; vLLM then calls ``register_shm_engine`` in every
-process it starts. The engine is registered as "repro_shm", so that an installed
-harness (which registers "shm") cannot shadow it."""
+"""shm (the harness's reference backend): safetensors on /dev/shm.
+
+vLLM loads weight-transfer engines in the worker processes it spawns, so the script
+registers the worker-side engine (a file next to it, a copy of
+harness/backends/shm_engine.py) through a vLLM general plugin: ``setup_shm`` puts a copy
+of the script (``__file__``: this code runs inside the emitted script) and of the engine
+file in WORKDIR/plugin with a *.dist-info/entry_points.txt, first on the PYTHONPATH the
+server inherits; vLLM then calls ``register_shm_engine`` in every process it starts. The
+engine is registered as "repro_shm", so that an installed harness (which registers "shm")
+cannot shadow it."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ SHM_ENGINE_MODULE = "repro_shm_engine"
 SHM_PLUGIN_MODULE = "repro_shm_plugin"
 
 
-def setup_shm(sc: dict[str, Any], workdir: Path) -> list[Path]:
-    """Before the server starts: the plugin directory for its PYTHONPATH."""
-    return [write_shm_plugin(workdir / "plugin", shm_engine_file(sc))]
+def setup_shm(sc: dict[str, Any], workdir: Path) -> None:
+    """Before the server starts: the plugin directory first on the PYTHONPATH it inherits."""
+    plugin = write_shm_plugin(workdir / "plugin", shm_engine_file(sc))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin),
+                                                             os.environ.get("PYTHONPATH")]))
 
 
-def send_shm(client: Any, weights: list[tuple[str, Any]], sc: dict[str, Any],
-             timeout: float) -> str:
+def send_shm(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
     """One safetensors file per bucket under a fresh directory on /dev/shm; each
     /update_weights names the file and the tensors it holds (harness/backends/shm.py)."""
     from safetensors.torch import save_file

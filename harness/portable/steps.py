@@ -1,4 +1,4 @@
-"""A blocking step of the trainer on a thread of its own, waited for with a deadline."""
+"""Blocking trainer calls on threads of their own, with a deadline."""
 
 from __future__ import annotations
 
@@ -6,46 +6,44 @@ import threading
 import time
 from typing import Any, Callable
 
+LEFT_BEHIND: list[threading.Thread] = []  # calls still blocked (in NCCL) past their wait
+GRACE_S = 5.0  # after one call failed, the time the others get to end
 
-class Step:
-    """``fn()`` on a daemon thread (on ``device``: the current CUDA device is per
-    thread). A call stuck inside NCCL cannot be interrupted: past its deadline it is
-    left behind, and main() ends the process without waiting for it."""
 
-    left_behind: list[Step] = []
+def in_flight(timeout: float, device: str, *calls: tuple[str, Callable[[], Any]]) -> list:
+    """Run each (name, fn) at once on a daemon thread (on ``device``: the current CUDA
+    device is per thread) and return their results, or raise the first failure, or
+    TimeoutError after ``timeout`` s. A call stuck inside NCCL cannot be interrupted: it
+    is left behind, and main() ends the process without waiting for it."""
+    results: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
 
-    def __init__(self, name: str, fn: Callable[[], Any], device: str | None = None):
-        self.name, self.value, self.error = name, None, None
-        self.done = threading.Event()
+    def body(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            if device.startswith("cuda"):
+                import torch
 
-        def body() -> None:
-            try:
-                if device and device.startswith("cuda"):
-                    import torch
+                torch.cuda.set_device(torch.device(device))
+            results[name] = fn()
+        except BaseException as e:
+            errors[name] = e
 
-                    torch.cuda.set_device(torch.device(device))
-                self.value = fn()
-            except BaseException as e:
-                self.error = e
-            finally:
-                self.done.set()
-
-        self.thread = threading.Thread(target=body, name=name, daemon=True)
-        self.thread.start()
-
-    def result(self, timeout: float, peers: tuple[Step, ...] = ()) -> Any:
-        """Wait; a peer that failed (the HTTP call on the other side of a collective)
-        ends the wait after 5 s of grace instead of at the deadline."""
-        deadline = time.monotonic() + timeout
-        while not self.done.wait(0.1):
-            failed = next((p for p in peers if p.done.is_set() and p.error is not None), None)
-            if failed is not None and not self.done.wait(5.0):
-                Step.left_behind.append(self)
-                raise RuntimeError(f"{self.name}: still blocked after {failed.name} failed; "
-                                   f"that failure was: {failed.error}") from failed.error
-            if time.monotonic() > deadline:
-                Step.left_behind.append(self)
-                raise TimeoutError(f"{self.name}: not done within {timeout:.0f}s")
-        if self.error is not None:
-            raise self.error
-        return self.value
+    threads = [threading.Thread(target=body, args=c, name=c[0], daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    while not errors and time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        time.sleep(0.1)
+    for t in threads:
+        t.join(GRACE_S if errors else 0)
+    stuck = [t for t in threads if t.is_alive()]
+    LEFT_BEHIND.extend(stuck)
+    if errors:
+        failed, error = next(iter(errors.items()))
+        if stuck:
+            raise RuntimeError(f"{stuck[0].name}: still blocked after {failed} failed; that "
+                               f"failure was: {error}") from error
+        raise error
+    if stuck:
+        raise TimeoutError(f"{stuck[0].name}: not done within {timeout:.0f}s")
+    return [results[name] for name, _ in calls]

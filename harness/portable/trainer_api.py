@@ -1,4 +1,4 @@
-"""Which of vLLM's trainer APIs the installed release offers for an engine.
+"""The trainer API (factory or static) the installed vLLM offers.
 
 A script holds one of the two APIs, the one of the release it was emitted for: the
 factory's stateful trainer engine (0.27.1+ for IPC, 0.32+ for NCCL), which calls the
@@ -39,9 +39,8 @@ def engine_module(engine: str):
 
 
 def factory_for(engine: str):
-    """vLLM's WeightTransferTrainerFactory where this release takes ``engine`` through it
-    (0.27.1+ for IPC, 0.32+ for NCCL), else None (0.26's takes (backend, config, init_info)
-    and registers no engine)."""
+    """vLLM's WeightTransferTrainerFactory where it takes ``engine``, else None (0.26's
+    takes (backend, config, init_info) and registers no engine)."""
     try:
         factory = _wt("factory").WeightTransferTrainerFactory
     except (ImportError, AttributeError):
@@ -55,8 +54,8 @@ def factory_for(engine: str):
 
 
 def has_static_sender(engine: str) -> bool:
-    """Whether this release has the static trainer_send_weights(iterator, args) (0.26;
-    0.27.1 keeps IPC's as a (*args, **kwargs) stub that raises)."""
+    """Whether there is a static trainer_send_weights(iterator, args) (0.26; 0.27.1 keeps
+    IPC's as a (*args, **kwargs) stub that raises)."""
     send = getattr(getattr(engine_module(engine), f"{engine.upper()}WeightTransferEngine",
                            None), "trainer_send_weights", None)
     try:
@@ -95,9 +94,8 @@ def check_trainer_api(engine: str, api: str) -> None:
 
 
 def weight_source(weights: list[tuple[str, Any]]):
-    """The exact list to send (possibly damaged) as a vLLM ``WeightSource`` of the shape
-    this release asks for: ``metadata()`` and ``__iter__`` up to 0.32; from 0.33
-    ``metadata`` a ``functools.cached_property`` and ``iter_full()`` as well."""
+    """The exact list to send as a vLLM ``WeightSource``: ``metadata()`` and ``__iter__``
+    up to 0.32; from 0.33 ``metadata`` a cached_property and ``iter_full()`` as well."""
     base = _wt("base")
 
     def meta(self):
