@@ -62,8 +62,8 @@ class KnownIssue:
     backends: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ()
-    # (VARIABLE, value) pairs: the entry does not apply where one is set so, for a
-    # workaround that is an environment variable (the servers inherit the run's)
+    # (VARIABLE, value) pairs, for a workaround that is an environment variable (the
+    # servers inherit the run's): where one is set so, the entry does not apply
     unless_env: tuple[tuple[str, str], ...] = ()
     workaround: str = ""
     raises: str = ""   # exception class (builtin name or dotted path) the failure must be
@@ -344,8 +344,8 @@ class KnownIssuesState:
                     status += "; its tests pass here"
             elif not issue.applies_to_host(self.host):
                 status = f"not applied: {self.host} host (entry is for {', '.join(issue.hosts)})"
-            elif issue.workaround_set(self.env):
-                status = f"not applied: {issue.workaround_set(self.env)} is set (its workaround)"
+            elif workaround := issue.workaround_set(self.env):
+                status = f"not applied: {workaround} is set (its workaround)"
             elif not nodeids:
                 status = "applies, but no collected test matches"
             elif any(o == "fixed" for o in outs.values()):
