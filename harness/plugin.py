@@ -298,7 +298,10 @@ def pytest_runtestloop(session: pytest.Session):
     state = session.config.stash.get(STATE, None)
     runs = not session.config.option.collectonly and not (
         session.testsfailed and not session.config.option.continue_on_collection_errors)
-    if state is not None and state.plan is not None and runs:
+    # A plan without servers starts no pool: the process-wide spares and retiring
+    # trainers stay the business of the run that has servers (a pytest run inside a
+    # test, as the harness's own tests make, must not stop the outer run's spares).
+    if state is not None and state.plan is not None and state.plan.servers and runs:
         _start_pool(session.config, state)
     try:
         yield

@@ -249,6 +249,27 @@ def test_a_test_that_takes_only_the_case_plans_no_server(pytester, monkeypatch):
     assert any("1 servers planned" in line for line in both.outlines), both.outlines
 
 
+def test_a_run_without_servers_leaves_the_outer_runs_spares_alone(pytester, monkeypatch):
+    """A pytest run inside a test (the harness's own tests make them) that plans no
+    server starts no pool, so it neither resets nor stops the process-wide trainer
+    spares and retiring trainers of the run around it. (It did: each such run closed the
+    outer run's spares and set their count to its own, 0 with no servers: in the CPU suite
+    report of 2026-12-01 the two such tests took 107 s and 110 s, 0.2 s each alone.)"""
+    from harness import trainer
+
+    closed: list[str] = []
+    monkeypatch.setattr(trainer.SPARES, "count", 7)
+    monkeypatch.setattr(trainer.SPARES, "close", lambda: closed.append("spares"))
+    monkeypatch.setattr(trainer.RETIRING, "drain", lambda: closed.append("retiring"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("HARNESS_REPORT_PROBES", "0")
+    pytester.makepyfile(test_only_case="def test_a(case):\n    assert case.dtype\n")
+    r = pytester.runpytest("-p", "no:cacheprovider", "--vllm-backend", "shm",
+                           "--vllm-layout", "cpu", "--vllm-model", "llama")
+    r.assert_outcomes(passed=1)
+    assert (trainer.SPARES.count, closed) == (7, [])
+
+
 def test_the_end_of_a_run_stops_its_servers_side_by_side(fake_pool, monkeypatch):
     """stop_all stops every live server at once, not one after another: an interrupted
     GPU run has about 20 servers and half a minute before it is killed. Each fake
