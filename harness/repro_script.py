@@ -220,10 +220,9 @@ def hf_reference(model: str, sc: dict[str, Any]) -> tuple[list[dict[str, Any]], 
 
 
 def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> dict[str, Any]:
-    """The harness's parity check: the teacher-forced logprob of every reference token
-    within the tolerance, every logprob finite, greedy continuations identical except at
-    reference near-ties. vLLM answers HTTP 400 "Out of range float values" when its
-    logprobs are NaN/inf: that counts as non-finite output (a mismatch), not an error."""
+    """The harness's parity check: every reference token's teacher-forced logprob within the
+    tolerance, every logprob finite, greedy continuations identical but at reference near-ties.
+    vLLM's HTTP 400 "Out of range float values" (NaN/inf logprobs) counts as non-finite."""
     model = client.call("GET", "/v1/models")["data"][0]["id"]
 
     def complete(prompt: list[int], **options: Any) -> dict[str, Any]:  # greedy, first choice
@@ -287,14 +286,14 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
 def parse_args(argv: list[str] | None, sc: dict[str, Any]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--expect", choices=("parity", "mismatch", "error"),
-                    default=sc["expected_verdict"], help="the verdict that counts as reproduced")
+                    default=sc["expected_verdict"], help="the verdict that reproduces it")
     ap.add_argument("--workdir", type=Path, help="default: SCRIPT-work/ next to the script")
     # [region path hub]
     ap.add_argument("--model-dir", type=Path, help="serve and send this model directory instead")
     # [end]
     ap.add_argument("--start-timeout", type=float, default=sc["start_timeout"], help="seconds")
     ap.add_argument("--sync-timeout", type=float, default=sc["sync_timeout"],
-                    help="seconds for each HTTP call and each blocking step of the sync")
+                    help="seconds for an HTTP call or a blocking step of the sync")
     # [region static]
     # [region ipc]
     ap.add_argument("--stub-ray", action="store_true", help="put an empty 'ray' package on "
@@ -309,7 +308,7 @@ def parse_args(argv: list[str] | None, sc: dict[str, Any]) -> argparse.Namespace
 
 def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
     """Steps 1 to 8; returns (verdict, why). Unusable propagates (nothing ran)."""
-    started: list[subprocess.Popen] = []
+    started: list[subprocess.Popen] = []  # the server, once started
     log = workdir / "vllm-server.log"
     try:
         step(1, f"model: {sc['model']['name']} ({sc['model']['source']})")
@@ -431,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, sc)
     workdir = (args.workdir or script.parent / f"{script.stem}-work").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"scenario: {sc['title']}; expecting verdict {args.expect!r}; work dir {workdir}",
-          flush=True)
+    print(f"scenario: {sc['title']}; expecting {args.expect!r}; work dir {workdir}", flush=True)
     try:
         verdict, why = run(sc, args, workdir)
     except Unusable as e:

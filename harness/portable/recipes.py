@@ -1,4 +1,4 @@
-"""Build the zoo's models: from a recipe (data), SmolLM2 from its GGUF.
+"""Build the zoo models: from a recipe (data), SmolLM2 from its GGUF.
 
 The harness's zoo (harness/models.py) builds its models with these functions, and a
 script emitted for a bug report carries them, so that it builds the zoo model bit for
@@ -34,9 +34,8 @@ def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
 
 
 def init_weights(model, seed: int) -> None:
-    """Deterministic weights spread wide enough that clear margins, not float noise, decide
-    greedy decoding: std 0.15 for matrices (logit std ~2.4 at hidden size 256), norms near
-    (not at) one, small biases."""
+    """Deterministic, spread wide enough that clear margins, not float noise, decide greedy
+    decoding: std 0.15 for matrices (logit std ~2.4 at hidden size 256), norms near one."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)

@@ -13,8 +13,7 @@ from harness.portable.trainer_api import engine_module, factory_for, weight_sour
 
 
 def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine calls the routes through
-    ``client`` (whose calls time out after ``timeout``)."""
+    """vLLM's factory trainer API (0.27.1+): its trainer engine calls the routes on ``client``."""
     info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=sc["packed"])
     # calls /init_weight_transfer_engine
     trainer = factory_for("ipc").trainer_init(info, client=client, source=weight_source(weights))

@@ -21,8 +21,7 @@ def rendezvous(client: Any, device: str) -> dict[str, Any]:
 
 
 def send_nccl(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM's factory trainer API (0.32+): its NCCL trainer engine calls the routes through
-    ``client``."""
+    """vLLM's factory trainer API (0.32+): its trainer engine calls the routes on ``client``."""
     device = sc["trainer_device"]
     info = engine_module("nccl").NCCLTrainerInitInfo(rank=0, packed=sc["packed"],
                                                      **rendezvous(client, device))
@@ -38,8 +37,7 @@ def send_nccl(client: Any, weights: list, sc: dict[str, Any], timeout: float) ->
 
 
 def send_nccl_static(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM 0.26's static API (0.27.1's too): NCCLWeightTransferEngine's trainer_init and
-    trainer_send_weights, the routes called here."""
+    """vLLM 0.26's (and 0.27.1's) static API, the routes called here."""
     device, packed, mod = sc["trainer_device"], sc["packed"], engine_module("nccl")
     engine, group = mod.NCCLWeightTransferEngine, rendezvous(client, device)
     open_group = getattr(engine, "trainer_init", None) or _wt("nccl_common").trainer_init

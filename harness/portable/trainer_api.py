@@ -22,8 +22,7 @@ def _wt(module: str):
     return importlib.import_module(f"vllm.distributed.weight_transfer.{module}")
 
 
-def engine_module(engine: str):
-    """vLLM's engine module for ``engine``, or Unusable naming why it cannot be imported."""
+def engine_module(engine: str):  # vLLM's, or Unusable naming why it cannot be imported
     try:
         return _wt(f"{engine}_engine")
     except ModuleNotFoundError as e:
@@ -75,8 +74,8 @@ def trainer_api(engine: str) -> str:
 
 
 def check_trainer_api(engine: str, api: str) -> None:
-    """Before the server starts: one line where this release needs the other API (a release
-    with the factory API for ``engine`` needs that one)."""
+    """Before the server starts: one line where the release needs the other API (a release
+    with the factory API for ``engine`` needs it)."""
     # [region static]
     engine_module(engine)  # importable (vLLM 0.26's IPC engine imports ray)
     # [end]
