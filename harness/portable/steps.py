@@ -11,10 +11,9 @@ GRACE_S = 5.0  # after one call failed, the time the others get to end
 
 
 def in_flight(timeout: float, device: str, *calls: tuple[str, Callable[[], Any]]) -> list:
-    """Run each (name, fn) at once on a daemon thread (on ``device``: the current CUDA
-    device is per thread) and return their results, or raise the first failure, or
-    TimeoutError after ``timeout`` s. A call stuck inside NCCL cannot be interrupted: it
-    is left behind, and main() ends the process without waiting for it."""
+    """Run each (name, fn) at once on a daemon thread (on ``device``: the current CUDA device is
+    per thread): their results, else the first failure, else TimeoutError after ``timeout`` s. A
+    call stuck in NCCL cannot be interrupted: it is left behind, and main() exits without it."""
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
 

@@ -22,17 +22,16 @@ def _wt(module: str):
     return importlib.import_module(f"vllm.distributed.weight_transfer.{module}")
 
 
-def engine_module(engine: str):
-    """vLLM's engine module for ``engine``, or Unusable naming why it cannot be imported."""
+def engine_module(engine: str):  # vLLM's, or Unusable naming why it cannot be imported
     try:
         return _wt(f"{engine}_engine")
     except ModuleNotFoundError as e:
         # [region static]
         # [region ipc]
         if e.name == "ray":  # vLLM 0.26's ipc_engine.py runs `import ray` at module level
-            raise Unusable(f"vLLM {vllm_version()}'s {engine}_engine.py imports ray at module "
-                           "level, and ray is not installed (HTTP transport never uses it): "
-                           "pip install ray, or rerun with --stub-ray") from e
+            raise Unusable(f"vLLM's {engine}_engine.py imports ray at module level, and ray "
+                           "is not installed (HTTP transport never uses it): pip install ray, "
+                           "or rerun with --stub-ray") from e
         # [end]
         # [end]
         raise Unusable(f"vLLM's {engine} weight-transfer engine cannot be imported: {e}") from e
@@ -50,21 +49,16 @@ def factory_for(engine: str):
             and list(inspect.signature(factory.trainer_init).parameters)[:1] != ["backend"]:
         return factory
     return None
-# [region static template]
+# [region template]
 
 
 def has_static_sender(engine: str) -> bool:
     """Whether there is a static trainer_send_weights(iterator, args) (0.26; 0.27.1 keeps
     IPC's as a (*args, **kwargs) stub that raises)."""
-    send = getattr(getattr(engine_module(engine), f"{engine.upper()}WeightTransferEngine",
-                           None), "trainer_send_weights", None)
-    try:
-        return len([p for p in inspect.signature(send).parameters.values()
-                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
-    except (TypeError, ValueError):
-        return False
-# [end]
-# [region template]
+    cls = getattr(engine_module(engine), f"{engine.upper()}WeightTransferEngine", None)
+    params = inspect.signature(cls.trainer_send_weights).parameters.values() \
+        if callable(getattr(cls, "trainer_send_weights", None)) else []
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
 
 
 def trainer_api(engine: str) -> str:
@@ -80,15 +74,14 @@ def trainer_api(engine: str) -> str:
 
 
 def check_trainer_api(engine: str, api: str) -> None:
-    """Before the server starts: fail in one line where this release needs the other API."""
-    offered = factory_for(engine) is not None
-    # [region static template]
-    if api == "static":  # the factory API, where a release has it, is the one it needs
-        offered = not offered and has_static_sender(engine)
+    """Before the server starts: one line where the release needs the other API (a release
+    with the factory API for ``engine`` needs it)."""
+    # [region static]
+    engine_module(engine)  # importable (vLLM 0.26's IPC engine imports ray)
     # [end]
-    if not offered:
+    if (factory_for(engine) is not None) != (api == "factory"):
         raise Unusable(f"this script holds vLLM's {api} trainer API for {engine} "
-                       f"({RELEASES[api]}), which vLLM {vllm_version()} here does not offer: "
+                       f"({RELEASES[api]}), which the vLLM installed here does not offer: "
                        "emit the script again where this vLLM is installed")
 # [region factory]
 
