@@ -5,10 +5,11 @@ server features, named only where they are not the defaults); its id reads
 ``<backend>-<layout>-<dtype>-<model>`` (``shm-cpu-fp32-llama``,
 ``ipc-packed-1gpu-colocated-fp32-llama``, ``ipc-packed-1gpu-colocated-bf16-llama-graphs``,
 ``shm-cpu-bf16-llama-fp8``), so ``pytest -k ipc`` selects by backend.
-Cases that share a ``ServerConfig`` share a server. The packed and unpacked variants
-of one engine would, but each of their seed flows needs never-synced weights, so each
-variant has a server of its own (``ServerConfig.variant``); the disk-loaded twin is
-shared (``twin_config``).
+Cases that share a ``ServerConfig`` share a server: the packed and unpacked variants
+of one engine and the trainer codes (harness, vllm) differ only in what the trainer
+does, so they take turns on one server, each seed flow on weights reset to
+dummy-equivalent ones (``SyncSession.reset_weights``); the disk-loaded twin is shared
+too (``twin_config``).
 """
 
 from __future__ import annotations
@@ -100,12 +101,6 @@ class Case:
                 + ("" if self.trainer == DEFAULT_TRAINER else f"-via-{self.trainer}")
                 + "".join(f"-{f}" for f in self.features))
 
-    @property
-    def server_variant(self) -> str:
-        """What sets this case's server apart from its siblings' (same flags): each
-        backend variant and trainer has never-synced weights of its own."""
-        return self.backend.id + ("" if self.trainer == DEFAULT_TRAINER else f"+{self.trainer}")
-
     def as_dict(self) -> dict:
         return {"backend": self.backend.id, "engine": self.backend.engine,
                 "packed": self.backend.packed, "layout": self.layout.name, "dtype": self.dtype,
@@ -177,7 +172,7 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
               attention_backend=attn,
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
               kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,
-              enforce_eager=case.mode == "eager", variant=case.server_variant)
+              enforce_eager=case.mode == "eager")
     for f in case.features:
         kw.update(FEATURES[f].server)
     kw.update(overrides)
@@ -192,5 +187,5 @@ def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
     bits) and with its features (an fp8 server's twin quantizes what it loads), unless
     ``mode`` names another (the self-test that shows the mode matters)."""
     eager = cfg.enforce_eager if mode is None else mode == "eager"
-    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto", variant="",
+    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto",
                                enforce_eager=eager)

@@ -34,7 +34,8 @@ from .trainer import TrainerCodeUnavailable, TrainerSpec, run_trainer
 # Where a test's time goes: each phase is reported as it ends (``on_record("phase",
 # {name: seconds})``), and the report adds what is left of the test's duration as
 # "other". The seed flow's steps are phases of their own.
-PHASES = ("server_wait", "reference", "before", "sync", "after", "observe", "twin_wait")
+PHASES = ("server_wait", "reset", "reference", "before", "sync", "after", "observe",
+          "twin_wait")
 # What the report keeps of each sync: the transfer (every sync), and where the sync's
 # wall time went besides it, where the trainer said (a trainer's start or a spare taken
 # over, its CUDA context, building the sender, the trainers dropped before a fresh one
@@ -74,9 +75,11 @@ class SyncSession:
         self.current_server: VLLMServer | None = None
         self.last_sync_timings: SyncTimings | None = None
         with self.phase("server_wait"):
-            self.server = self.use_server(self.server_cfg, fresh=fresh)
+            self.server = self.use_server(self.server_cfg)
         self.client = self.client_for(self.server)
         self._tokenizer = None
+        if fresh:
+            self.reset_weights()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -89,8 +92,8 @@ class SyncSession:
                 self.on_record("phase", {name: time.monotonic() - t0})
 
     # ------------------------------------------------------------------ servers
-    def use_server(self, cfg: ServerConfig, *, fresh: bool = False) -> VLLMServer:
-        srv = self.pool.get(cfg, fresh=fresh, user=self.user)
+    def use_server(self, cfg: ServerConfig, *, new_engine: bool = False) -> VLLMServer:
+        srv = self.pool.get(cfg, new_engine=new_engine, user=self.user)
         srv.mark_log()
         self.current_server = srv
         return srv
@@ -107,6 +110,42 @@ class SyncSession:
         return srv, self.client_for(srv)
 
     # ------------------------------------------------------------------ weights
+    def reset_weights(self) -> None:
+        """Bring a synced server back to never-synced-equivalent weights, without a
+        restart: dummy weights like vLLM's (``models.dummy_copy``) are pushed through
+        the trainer whose group the engine holds (so the next variant's first sync is
+        still its first, init included), or this case's trainer where there is none.
+        A server that never synced is left alone; one whose reset fails is restarted,
+        and the restart says why. The seed flow's "gibberish before" then proves what
+        it proves on a new server: that the server does not hold the trainer's weights
+        before the sync (shown failing against a reset that pushes nothing,
+        tests/unit/test_core.py)."""
+        cfg = self.server_cfg
+        held = self.pool.holding_of(cfg)
+        if held.fresh:
+            return
+        t0 = time.monotonic()
+        dummy = str(models.dummy_copy(Path(self.model_path)))
+        trainer = (self.pool.live_trainer(cfg)
+                   or self.pool.trainer(cfg, self.trainer_spec()))
+        self.pool.set_holding(cfg, State.INCOMPLETE, dummy)
+        try:
+            with self.phase("reset"):
+                paused_sync(self.client, lambda: trainer.sync(dummy, timeout=self.sync_timeout))
+        except Exception as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.pool.discard(cfg, f"{self.user} needs never-synced weights, and pushing "
+                                   f"dummy weights back failed: {why}")
+            with self.phase("server_wait"):
+                self.server = self.use_server(cfg)
+            self.client = self.client_for(self.server)
+            return
+        self.pool.set_holding(cfg, State.RESET, dummy)
+        self.pool.resets.append({"config": cfg.describe(), "for": self.user,
+                                 "held": held.state.name.lower(),
+                                 "seconds": round(time.monotonic() - t0, 3)})
+        self.record(reset_seconds=round(time.monotonic() - t0, 3))
+
     def perturbed(self, seed: int, scale: float = 0.05) -> Path:
         return models.perturbed_copy(Path(self.model_path), seed, scale)
 
@@ -240,7 +279,7 @@ class SyncSession:
         transport may hang again), or a repair that fails, stops the server instead,
         and the reason is returned (None when nothing had to be stopped)."""
         state = self.pool.holding_of(self.server_cfg).state
-        if state in (State.DUMMY, State.SYNCED):
+        if state in (State.DUMMY, State.RESET, State.SYNCED):
             return None
         why = "a weight sync did not complete"
         code = self.server.exit_code()

@@ -310,13 +310,72 @@ def perturbed_copy(src: Path, seed: int, scale: float = 0.05, dest_root: Path | 
     for that round is computed from the same directory. Cached by (src, seed, scale).
     """
     import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def perturb(t):
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        std = t.float().std() if t.numel() > 1 else t.float().abs()
+        return (t.float() + scale * std * noise).to(t.dtype)
+
+    return _rewritten_copy(src, f"p{seed}", f"{seed}|{scale}", perturb,
+                           {"perturbed_from": str(src), "seed": seed, "scale": scale},
+                           dest_root or (cache_root() / "perturbed"))
+
+
+# vLLM's dummy load format fills every floating-point parameter with uniform noise in
+# [-1e-3, 1e-3] (model_loader/weight_utils.py: initialize_single_dummy_weight).
+DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234
+
+
+def dummy_copy(src: Path, dest_root: Path | None = None) -> Path:
+    """A copy of ``src`` holding weights like those ``--load-format dummy`` starts with
+    (uniform in [-1e-3, 1e-3], every tensor): pushed into a synced server, it brings the
+    server back to never-synced-equivalent weights without a restart, so the seed flow's
+    "gibberish before" means what it means on a new server. Cached per model."""
+    import torch
+
+    def dummy(t):
+        gen = torch.Generator().manual_seed(DUMMY_SEED)
+        return (torch.rand(t.shape, generator=gen, dtype=torch.float32)
+                * (DUMMY_HIGH - DUMMY_LOW) + DUMMY_LOW).to(t.dtype)
+
+    return _rewritten_copy(src, "dummy", f"dummy|{DUMMY_LOW}|{DUMMY_HIGH}|{DUMMY_SEED}", dummy,
+                           {"dummy_of": str(src), "low": DUMMY_LOW, "high": DUMMY_HIGH},
+                           dest_root or (cache_root() / "dummy"))
+
+
+def _rewritten_copy(src: Path, tag: str, key: str, transform, meta: dict, root: Path) -> Path:
+    """A cached copy of model directory ``src`` with every floating-point tensor of its
+    safetensors files replaced by ``transform(tensor)`` (in name order), the other
+    files copied; written aside and renamed into place, so a reader never sees half."""
     from safetensors.torch import load_file, save_file
 
-    key = hashlib.sha256(f"{src.resolve()}|{seed}|{scale}|{RECIPE_VERSION}".encode()).hexdigest()[:12]
-    root = dest_root or (cache_root() / "perturbed")
-    out = root / f"{src.name}-p{seed}-{key}"
+    digest = hashlib.sha256(f"{src.resolve()}|{key}|{RECIPE_VERSION}".encode()).hexdigest()[:12]
+    out = root / f"{src.name}-{tag}-{digest}"
     if (out / "harness-model.json").exists():
         return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=root))
+    try:
+        for f in sorted(src.iterdir()):
+            if f.suffix == ".safetensors":
+                tensors = load_file(f)
+                for n in sorted(tensors):
+                    if tensors[n].is_floating_point():
+                        tensors[n] = transform(tensors[n]).contiguous()
+                save_file(tensors, tmp / f.name, metadata={"format": "pt"})
+            elif f.is_file():
+                shutil.copy(f, tmp / f.name)
+        (tmp / "harness-model.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(out)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".pert-", dir=root))
     try:

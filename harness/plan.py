@@ -4,19 +4,24 @@ each server starts; made once, before the first test, from the tests that will r
 Server starts decide how long a run takes, so the plan is built to need each
 configuration once:
 
-* tests are grouped by the server they run on; within a group the tests that need
-  never-synced weights come first (they share one seed flow), the tests that may
-  break the server last;
-* backend variants that share an engine (``ipc-packed``, ``ipc-unpacked``) get a
-  server each (``ServerConfig.variant``), so each variant's seed flow finds dummy
-  weights without a restart, and the variants' groups are adjacent so that the
-  disk-loaded twin they share lives through both;
+* tests are grouped by the server they run on: one server per configuration, shared
+  by every backend variant and trainer code that differ only in what the trainer does
+  (``ipc-packed``, ``ipc-unpacked``, ``-via-vllm``);
+* within a server, the tests of one variant run together (the engine holds one
+  trainer's group at a time), those that need never-synced weights first (a variant's
+  seed flow, on weights reset to dummy-equivalent ones where another variant synced
+  before: a planned *reset*, ``Plan.resets``, not a restart), and the tests that may
+  break the server after every other;
 * a server starts in the order of its first use and stops after its last.
 
 A restart is then never planned; one can still happen at run time, after a test broke
 a server (on purpose, or by finding a bug) or a server died, and the pool records each
 with its reason. ``Plan.contingent`` lists where a test marked ``breaks_server`` has
 later tests on the same server.
+
+With several workers (pytest-xdist, ``harness.partition``), each worker runs whole
+servers with their tests; ``critical_path`` names the longest chain of tests on one
+server, which bounds the run's wall time however many workers there are.
 
 How many servers start at once and how many are alive depend on the host
 (``Host``): starts are CPU-bound (Python imports of two processes, then the engine's
@@ -141,8 +146,9 @@ class Need:
     test: str
     server: ServerConfig
     twin: ServerConfig | None = None
-    fresh: bool = False    # never-synced (dummy) weights
+    fresh: bool = False    # never-synced (dummy or reset to dummy-equivalent) weights
     breaks: bool = False   # may leave its server unusable
+    trainer: str = ""      # whose trainer it syncs with (backend variant, trainer code)
 
     @property
     def servers(self) -> tuple[ServerConfig, ...]:
@@ -150,21 +156,20 @@ class Need:
 
 
 def group_key(cfg: ServerConfig) -> tuple:
-    """Tests of one server together; the variants of one engine next to each other
-    (their twin is shared), the variant last. Servers that differ in how they serve
-    (mode, quantization, sleep mode, API servers) are groups of their own."""
+    """Tests of one server together. Servers that differ in how they serve (mode,
+    quantization, sleep mode, API servers) are groups of their own."""
     return (Path(cfg.model).name, cfg.dtype, cfg.backend, cfg.device_ids,
             cfg.tensor_parallel_size, cfg.extra_args, cfg.enforce_eager,
-            cfg.quantization or "", cfg.enable_sleep_mode, cfg.api_server_count, cfg.variant)
+            cfg.quantization or "", cfg.enable_sleep_mode, cfg.api_server_count)
 
 
 def order_key(need: Need | None) -> tuple:
     """Sort key of a test: tests without a server first (they run while the first
-    servers start), then by server, within a server never-synced first and
-    server-breaking last."""
+    servers start), then by server; within a server the tests that may break it last,
+    and before them each trainer's tests together, never-synced first."""
     if need is None:
         return (0,)
-    return (1, group_key(need.server), 0 if need.fresh else 2 if need.breaks else 1)
+    return (1, group_key(need.server), need.breaks, need.trainer, not need.fresh)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -191,8 +196,9 @@ class Plan:
     host: Host
     max_starting: int
     max_alive: int
-    restarts: list[tuple[ServerConfig, str]]   # planned (a fresh test after a sync)
+    restarts: list[tuple[ServerConfig, str]]   # planned (none: resets stand for them)
     contingent: list[tuple[ServerConfig, str]]  # if a breaks_server test breaks it
+    resets: list[tuple[ServerConfig, str]] = dataclasses.field(default_factory=list)
 
     def configs(self) -> list[ServerConfig]:
         return [p.config for p in self.servers]
@@ -215,6 +221,7 @@ class Plan:
                           "last_test": self.needs[p.last].test} for p in self.servers],
              "starts": self.starts(),
              "restarts": [{"config": c.describe(), "reason": r} for c, r in self.restarts],
+             "resets": [{"config": c.describe(), "reason": r} for c, r in self.resets],
              "contingent_restarts": [{"config": c.describe(), "reason": r}
                                      for c, r in self.contingent]}
         if schedule is not None:
@@ -226,7 +233,7 @@ def make_plan(needs: list[Need], host: Host, *, max_starting: int | None = None,
               max_alive: int | None = None) -> Plan:
     """The plan for ``needs`` in the order given (``order_key`` sorts them)."""
     by_cfg: dict[ServerConfig, PlannedServer] = {}
-    restarts, contingent = [], []
+    restarts, contingent, resets = [], [], []
     synced_by: dict[ServerConfig, str] = {}
     broken_by: dict[ServerConfig, str] = {}
     for i, need in enumerate(needs):
@@ -239,8 +246,8 @@ def make_plan(needs: list[Need], host: Host, *, max_starting: int | None = None,
                 contingent.append((cfg, f"{broken_by.pop(cfg)} may break it; "
                                         f"{need.test} runs on it later"))
         if need.fresh and need.server in synced_by:
-            restarts.append((need.server, f"{need.test} needs never-synced weights after "
-                                          f"{synced_by[need.server]} synced them"))
+            resets.append((need.server, f"{need.test} needs never-synced weights after "
+                                        f"{synced_by[need.server]} synced them"))
             del synced_by[need.server]
         if not need.fresh:
             synced_by.setdefault(need.server, need.test)
@@ -249,7 +256,7 @@ def make_plan(needs: list[Need], host: Host, *, max_starting: int | None = None,
     servers = sorted(by_cfg.values(), key=lambda p: p.first)
     alive = max_alive or host.max_alive(by_cfg)
     return Plan(list(needs), servers, host, max_starting or host.max_starting(), alive,
-                restarts, contingent)
+                restarts, contingent, resets)
 
 
 # ----------------------------------------------------------------------------- expectation

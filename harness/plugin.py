@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from . import environment, facts, models
+from . import environment, facts, models, parallel
 from . import plan as _plan
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
@@ -72,6 +72,11 @@ class RunState:
     last_use: dict[str, list[ServerConfig]] = dataclasses.field(default_factory=dict)
     gpu_cases: dict[str, str] = dataclasses.field(default_factory=dict)  # nodeid -> outcome
     stop_error: str | None = None
+    # side by side (harness.parallel): this worker's tests, and on the controller what
+    # each worker sent back when it ended
+    own: set[str] | None = None
+    partition: parallel.Partition | None = None
+    worker_outputs: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 STATE = pytest.StashKey[RunState]()
@@ -113,11 +118,47 @@ def pytest_configure(config: pytest.Config) -> None:
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
     state = config.stash[STATE] = RunState(s)
+    if parallel.ours(config) and not hasattr(config, "workerinput"):
+        parallel.controller_dir()  # the workers, started after this, inherit its path
     if s.harness_report:
         from .report import ReportPlugin
 
-        config.pluginmanager.register(ReportPlugin(config, Path(s.harness_report), state),
+        config.pluginmanager.register(ReportPlugin(config, Path(s.harness_report), state,
+                                                   worker=hasattr(config, "workerinput")),
                                       "harness-report")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """--harness-plan prints a plan and runs nothing: no workers either (the plan
+    shows how it would split over them)."""
+    if config.getoption("harness_plan", None) or os.environ.get("HARNESS_PLAN", "") in (
+            "1", "true", "yes"):
+        if getattr(config.option, "numprocesses", None):
+            config.option.plan_workers = config.option.numprocesses
+        for name, value in (("numprocesses", 0), ("dist", "no"), ("tx", [])):
+            if hasattr(config.option, name):
+                setattr(config.option, name, value)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: as many workers as this host starts servers at once."""
+    return parallel.auto_workers(_plan.Host.this())
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``-n N``: whole servers per worker (harness.parallel says why not loadgroup)."""
+    return parallel.Scheduling(config, log) if parallel.ours(config) else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    state = node.config.stash.get(STATE, None)
+    out = getattr(node, "workeroutput", None) or {}
+    if state is not None and "harness" in out:
+        state.worker_outputs[str(node.gateway.id)] = out["harness"]
 
 
 def settings_of(config: pytest.Config) -> _settings.Settings:
@@ -172,7 +213,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for c in cases:
         marks = [pytest.mark.gpu] if c.layout.gpus_needed else []
-        shallow = quick and _beyond_quick(c, s, twin)
+        shallow = quick and _beyond_quick(c, s, twin, pinned=_pins_model(d, c.model))
         if c.layout.gpus_needed > gpus:
             marks.append(_deselect(f"layout {c.layout.name} needs {c.layout.gpus_needed} "
                                    f"GPU(s), {gpus} available"))
@@ -185,11 +226,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("case", params)
 
 
-def _beyond_quick(c: Case, s, twin: bool) -> str:
+def _beyond_quick(c: Case, s, twin: bool, pinned: bool = False) -> str:
     """Why case ``c`` is left out at quick depth ('' if it is not): the default model runs
-    in every dimension; another architecture once, in float32, without a twin; graph
-    mode (150-300 s a start on CPU) only on GPUs, and no twin of a tensor-parallel CPU
-    layout (a 260 s start). What the user named is always run."""
+    in every dimension; another architecture once, in float32, without a twin, and on a
+    host without GPUs only where the test is pinned to it (the architecture sweep is a
+    server start per model there: ci/matrix.sh runs it, at full depth); graph mode
+    (150-300 s a start on CPU) only on GPUs, and no twin of a tensor-parallel CPU layout
+    (a 260 s start). What the user named is always run. Every test function still runs
+    at quick depth (tests/unit/test_default_tier.py)."""
     if c.mode != facts.DEFAULT_MODE and not c.layout.gpus_needed and "vllm_mode" not in s.explicit:
         return f"{c.mode} mode on a host without GPUs"
     if (twin and c.layout.tensor_parallel_size > 1 and not c.layout.gpus_needed
@@ -201,7 +245,16 @@ def _beyond_quick(c: Case, s, twin: bool) -> str:
         return f"{c.model} in {c.dtype}"
     if twin:
         return f"{c.model} against its twin"
+    if not c.layout.gpus_needed and not pinned:
+        return f"{c.model} in the architecture sweep on a host without GPUs"
     return ""
+
+
+def _pins_model(definition, model: str) -> bool:
+    """The test is about this model (``@pytest.mark.models`` names it and few others),
+    not a sweep over the zoo."""
+    pinned = _marker_args(definition, "models")
+    return bool(pinned) and model in pinned and len(pinned) <= 2
 
 
 def _case_of(item: pytest.Item) -> Case | None:
@@ -229,10 +282,14 @@ def _need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
     return _plan.Need(item.nodeid, cfg,
                       twin_config(cfg, paths[case.model], mode=twin.kwargs.get("mode"))
                       if twin else None,
-                      fresh=item.get_closest_marker("fresh_server") is not None,
-                      breaks=item.get_closest_marker("breaks_server") is not None)
+                      fresh=(item.get_closest_marker("fresh_server") is not None
+                             or "synced" in getattr(item, "fixturenames", ())),
+                      breaks=item.get_closest_marker("breaks_server") is not None,
+                      trainer=case.backend.id + ("" if case.trainer == facts.DEFAULT_TRAINER
+                                                 else f"+{case.trainer}"))
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m: the partition is of what runs
 def pytest_collection_modifyitems(session, config: pytest.Config, items: list[pytest.Item]) -> None:
     state = config.stash[STATE]
     keep, dropped = [], []
@@ -257,9 +314,19 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     # Tests grouped by the server they need, in the order harness.plan makes them: each
     # server starts once and stops after its last test.
     paths: dict[str, str] = {}
-    keys = {id(it): (_plan.order_key(_need(it, state.settings, paths)), i)
-            for i, it in enumerate(items)}
+    needs = {id(it): _need(it, state.settings, paths) for it in items}
+    keys = {id(it): (_plan.order_key(needs[id(it)]), i) for i, it in enumerate(items)}
     items.sort(key=lambda it: keys[id(it)])
+    workers = parallel.worker(config) or (
+        (0, getattr(config.option, "plan_workers", 0)) if state.settings.harness_plan else None)
+    if workers and workers[1] > 1:
+        ordered = [needs[id(it)] for it in items]
+        state.partition = parallel.make_partition(ordered, state.settings.host(), workers[1])
+        bins = state.partition.bin_of(ordered)
+        if parallel.worker(config):
+            state.own = {it.nodeid for it, b in zip(items, bins) if b == workers[0]}
+            if workers[0] == 0:
+                parallel.write_partition(bins, [it.nodeid for it in items])
 
 
 @pytest.hookimpl(trylast=True)
@@ -269,14 +336,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     state = session.config.stash.get(STATE, None)
     if state is None:
         return
-    state.items = [it for it in session.items if _case_of(it) is not None]
-    if not state.items:
+    state.items = [it for it in session.items if _case_of(it) is not None
+                   and (state.own is None or it.nodeid in state.own)]
+    if not state.items and state.partition is None:
         return
     s = state.settings
     paths: dict[str, str] = {}
     needs = [n for n in (_need(it, s, paths) for it in state.items) if n is not None]
-    state.plan = _plan.make_plan(needs, s.host(), max_starting=s.vllm_max_starting,
-                                 max_alive=s.vllm_max_servers)
+    share = parallel.worker(session.config)
+    n = share[1] if share else 1
+    host = s.host()
+    state.plan = _plan.make_plan(
+        needs, host,
+        max_starting=s.vllm_max_starting or (max(1, host.max_starting() // n) if n > 1 else None),
+        max_alive=s.vllm_max_servers or (max(2, host.max_alive(n_.server for n_ in needs) // n)
+                                         if n > 1 else None))
     state.schedule = _plan.simulate(state.plan, *_plan.estimates(state.plan.host))
     state.last_use = state.plan.last_use()
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -288,6 +362,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             for line in _plan.describe(state.plan, state.schedule,
                                        verbose=session.config.option.verbose > 0):
                 tr.write_line(line)
+            if state.partition is not None:
+                paths = {}
+                every = [_need(it, s, paths) for it in session.items]
+                for line in parallel.describe(state.partition, every, host,
+                                              sum(1 for x in every if x is None)):
+                    tr.write_line(line)
         session.config.option.collectonly = True  # the plan is all this run does
 
 
@@ -345,9 +425,12 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
         # every planned server's trainer: started and prepared as soon as it is up
         paths: dict[str, str] = {}
         needs = {it.nodeid: _need(it, s, paths) for it in state.items}
-        warm = {needs[it.nodeid].server: [(trainer_spec(_case_of(it), url=""),
-                                           needs[it.nodeid].server.model)]
-                for it in state.items if needs[it.nodeid] is not None}
+        # the trainer of each server's first test (the engine holds one group at a time)
+        warm: dict = {}
+        for it in state.items:
+            if needs[it.nodeid] is not None:
+                warm.setdefault(needs[it.nodeid].server,
+                                [(trainer_spec(_case_of(it), url=""), needs[it.nodeid].server.model)])
         pool.plan(plan.configs(), warm)
     return pool
 
@@ -503,30 +586,43 @@ def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
-    if state is None or not (state.items or state.deselected):
+    if state is None or not (state.items or state.deselected or state.worker_outputs):
         return
     tr = terminalreporter
     tr.section("weight-sync-harness")
-    for reason, n in sorted(state.deselected.items()):
+    deselected = state.deselected or collections.Counter(
+        next(iter(state.worker_outputs.values()), {}).get("deselected") or {})
+    for reason, n in sorted(deselected.items()):
         tr.write_line(f"deselected {n}: {reason}")
-    if state.pool is not None:
-        f = state.pool.start_figures()
-        planned = f" of {len(state.plan.servers)} planned" if state.plan else ""
-        tr.write_line(f"vLLM servers started: {f['servers_started']}{planned}, "
-                      f"{f['restarts']} restarts; start time {f['start_seconds_sum']:.0f}s "
-                      f"summed, {f['start_wall_seconds']:.0f}s wall; suite wall time "
-                      f"{time.monotonic() - state.t0:.1f}s")
-        by_mode = start_seconds_by_mode(state.pool.started)
+    pool = state.pool
+    planned = len(state.plan.servers) if state.plan else None
+    if pool is None and state.worker_outputs:
+        pool = parallel.MergedPool(state.worker_outputs, state.t0)
+        planned = sum(o.get("servers_planned", 0) for o in state.worker_outputs.values())
+        tr.write_line(f"side by side: {len(state.worker_outputs)} workers, " + ", ".join(
+            f"{w} {o.get('servers_planned', 0)} servers"
+            for w, o in sorted(state.worker_outputs.items())))
+    if pool is not None:
+        f = pool.start_figures()
+        of = f" of {planned} planned" if planned is not None else ""
+        tr.write_line(f"vLLM servers started: {f['servers_started']}{of}, "
+                      f"{f['restarts']} restarts, {len(pool.resets)} resets; start time "
+                      f"{f['start_seconds_sum']:.0f}s summed, {f['start_wall_seconds']:.0f}s "
+                      f"wall; suite wall time {time.monotonic() - state.t0:.1f}s")
+        by_mode = start_seconds_by_mode(pool.started)
         if len(by_mode) > 1 or set(by_mode) - {"eager"}:
             tr.write_line("start time by serving mode: " + "; ".join(
                 f"{m} {v['servers']} servers, mean {v['mean']:.0f}s, max {v['max']:.0f}s"
                 for m, v in by_mode.items()))
-        for srv in state.pool.started:
-            tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  {srv['config']}")
-        for r in state.pool.restarts:
+        for srv in pool.started:
+            where = f"  [{srv['worker']}]" if "worker" in srv else ""
+            tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  "
+                          f"{srv['config']}{where}")
+        for r in pool.restarts:
             tr.write_line(f"restarted {r['config']}: {r['reason']}")
-        for o in state.pool.reaped:
-            tr.write_line(f"reaped an orphan of a run that was killed: {o.describe()}")
+        for o in pool.reaped:
+            tr.write_line(f"reaped an orphan of a run that was killed: "
+                          f"{o if isinstance(o, str) else o.describe()}")
     if state.stop_error:
         tr.write_line(f"stopping the servers failed: {state.stop_error}", red=True)
 
@@ -534,6 +630,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(STATE, None)
+    if state is not None and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput.setdefault("harness", {}).update(
+            parallel.worker_output(state))
+    if state is not None and state.worker_outputs:  # the controller: what the workers saw
+        for o in state.worker_outputs.values():
+            state.gpu_cases.update(o.get("gpu_cases") or {})
+            if o.get("stop_error"):
+                state.stop_error = "\n".join(filter(None, (state.stop_error, o["stop_error"])))
     if state is not None and state.stop_error:  # processes may be left: the run failed
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if state is None or not state.settings.harness_require_gpu:

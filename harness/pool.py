@@ -8,13 +8,16 @@ in that order, ``max_starting`` at a time (starts are CPU-bound), keeping at mos
 the next ones start in the background. A server is stopped once no remaining test
 needs it (``release``).
 
-Each server has one persistent trainer per backend variant (``trainer``): the group
-is opened once and every later sync reuses it, as RL trainers do. Planned trainers are
-started and prepared (imports, CUDA context, weights) as soon as their server is up.
+Each server has one persistent trainer at a time (``trainer``): the group is opened
+once and every later sync reuses it, as RL trainers do, until a test of another
+backend variant or trainer code takes the server over. The first planned trainer is
+started and prepared (imports, CUDA context, weights) as soon as its server is up.
 
 Every start of a configuration that was started before is a restart, recorded in
-``restarts`` with the reason it was stopped (a test needed never-synced weights, a
-test broke it, room was needed): a plan that is followed needs none.
+``restarts`` with the reason it was stopped (a test broke it, room was needed, a test
+asked for a brand-new engine): a plan that is followed needs none. A test that needs
+never-synced weights on a synced server gets them pushed back instead
+(``SyncSession.reset_weights``), counted in ``resets``.
 
 A server that failed to start, or that died after it was handed out, is not started
 again: every later ``get`` for its configuration raises ``ServerUnavailable`` with the
@@ -57,6 +60,7 @@ class NeedsFreshServer(RuntimeError):
 
 class State(enum.Enum):
     DUMMY = "dummy weights (never synced)"
+    RESET = "dummy-equivalent weights pushed back (reset)"
     SYNCED = "synced"
     CORRUPTED = "deliberately corrupted update"
     INCOMPLETE = "sync did not complete"
@@ -72,6 +76,11 @@ class Holding:
     def holds(self, weights: str) -> bool:
         return self.state is State.SYNCED and self.weights == weights
 
+    @property
+    def fresh(self) -> bool:
+        """Never synced, or reset to dummy-equivalent weights since."""
+        return self.state in (State.DUMMY, State.RESET)
+
 
 class ServerPool:
     def __init__(self, log_dir: Path, *, start_timeout: float, max_alive: int,
@@ -86,6 +95,7 @@ class ServerPool:
         self.poisoned: dict[ServerConfig, str] = {}
         self.started: list[dict] = []         # one record per server start, for reports
         self.restarts: list[dict] = []        # starts of a configuration started before
+        self.resets: list[dict] = []          # dummy-equivalent weights pushed back
         self.trainers: dict[tuple[ServerConfig, TrainerSpec], Trainer] = {}
         self._plan: list[ServerConfig] = []   # configs still to be used, in order
         self._warm: dict[ServerConfig, list[tuple[TrainerSpec, str]]] = {}
@@ -243,15 +253,17 @@ class ServerPool:
         return out
 
     # ------------------------------------------------------------------ servers
-    def get(self, cfg: ServerConfig, *, fresh: bool = False,
+    def get(self, cfg: ServerConfig, *, new_engine: bool = False,
             user: str = "a test") -> VLLMServer:
-        """The server for ``cfg``; ``fresh``: one that has never been synced. ``user``
+        """The server for ``cfg``; ``new_engine``: one that has never been synced nor
+        had its weight-transfer engine initialised (a restart, where it was). Weights
+        alone are brought back without one (``SyncSession.reset_weights``). ``user``
         names who asks, for the reason of a restart."""
         if self.url:
             srv = self.servers.get(cfg) or VLLMServer.attach(self.url, cfg)
             # one server stands for every configuration: its weights are one state
-            if fresh and any(h.state is not State.DUMMY for h in self.holding.values()):
-                raise NeedsFreshServer("needs a never-synced server; an attached server "
+            if new_engine and any(h.state is not State.DUMMY for h in self.holding.values()):
+                raise NeedsFreshServer("needs a brand-new engine; an attached server "
                                        "(--vllm-url) cannot be restarted")
             self.servers[cfg] = srv
             return srv
@@ -260,8 +272,8 @@ class ServerPool:
         srv = self.servers.get(cfg)
         if srv is not None and not srv.alive():
             raise ServerUnavailable(self.mark_dead(cfg))
-        if srv is not None and fresh and self.holding_of(cfg).state is not State.DUMMY:
-            self._stop(cfg, f"{user} needs never-synced weights, and the server held "
+        if srv is not None and new_engine and self.holding_of(cfg).state is not State.DUMMY:
+            self._stop(cfg, f"{user} needs a brand-new engine, and the server held "
                             f"{self.holding_of(cfg).state.value}")
             srv = None
         if srv is None:
@@ -322,14 +334,23 @@ class ServerPool:
     # ------------------------------------------------------------------ trainers
     def trainer(self, cfg: ServerConfig, spec: TrainerSpec) -> Trainer:
         """The persistent trainer of this server for ``spec``; one is created (its
-        process starts on its first sync) when there is none."""
+        process starts on its first sync) when there is none. A server's engine holds
+        one group, which the newest trainer's init replaces: the variants of one
+        configuration take turns on its server, so another spec's trainer is ended
+        first (the tests run grouped by spec: ``harness.plan.order_key``)."""
         key = (cfg, spec)
         t = self.trainers.get(key)
         if t is None:
+            for other in [k for k in self.trainers if k[0] == cfg]:
+                self.trainers.pop(other).retire()
             srv = self.servers[cfg]
             t = self.trainers[key] = Trainer(spec, log_dir=self.log_dir,
                                              context=srv.describe_failure, api_key=cfg.api_key)
         return t
+
+    def live_trainer(self, cfg: ServerConfig) -> Trainer | None:
+        """The trainer whose group this server's engine holds now, if any."""
+        return next((t for (c, _), t in self.trainers.items() if c == cfg), None)
 
     def drop_trainers(self, cfg: ServerConfig) -> None:
         """End this server's trainers (their groups end with them): retired, where the

@@ -341,9 +341,12 @@ def summarize(tests: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- plugin
 
 class ReportPlugin:
-    def __init__(self, config: pytest.Config, path: Path, state: Any):
+    def __init__(self, config: pytest.Config, path: Path, state: Any, *, worker: bool = False):
         self.config = config
         self.state = state  # the plugin's RunState: settings, and the pool once it exists
+        # An xdist worker writes nothing: it sends its part (routes, known issues) to the
+        # controller, whose report has every worker's tests and pools (harness.parallel).
+        self.worker = worker
         self.path = path if path.is_absolute() else Path(config.invocation_params.dir) / path
         self.started_at = _dt.datetime.now(_dt.timezone.utc)
         self.t0 = time.monotonic()
@@ -354,7 +357,9 @@ class ReportPlugin:
         self.openapi_attempts = 0
         self.backend_caps: tuple[dict, dict] | None = None
         self.probe_cache: str | None = None  # the file the probes' answer came from
-        self._start_probes()
+        self._probes_done = threading.Event()
+        if not worker:
+            self._start_probes()
         self.write_error: str | None = None
 
     # ---------------------------------------------------------------- header line
@@ -369,7 +374,7 @@ class ReportPlugin:
         rec.add(report)
         # A run killed by a job's time limit still leaves the tests it finished: the
         # report is rewritten (header "complete": false) after every test that ran.
-        if report.when == "teardown" and rec.ran():
+        if report.when == "teardown" and rec.ran() and not self.worker:
             try:
                 self._write(self.build(None))
             except Exception as e:  # never fail a test over the report
@@ -382,7 +387,15 @@ class ReportPlugin:
             self._capture_openapi()
 
     def _pool(self):
+        if self.state.pool is None and getattr(self.state, "worker_outputs", {}):
+            from .parallel import MergedPool
+
+            return MergedPool(getattr(self.state, "worker_outputs", {}), self.state.t0)
         return self.state.pool
+
+    def _worker_parts(self) -> list[dict]:
+        return [o["report"] for _, o in sorted(getattr(self.state, "worker_outputs", {}).items())
+                if o.get("report")]
 
     def _capture_openapi(self) -> None:
         pool = self._pool()
@@ -422,6 +435,15 @@ class ReportPlugin:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.openapi is None:
             self._capture_from_url()
+        if self.worker:
+            session.config.workeroutput.setdefault("harness", {})["report"] = _json_safe({
+                "openapi": self.openapi, "openapi_source": self.openapi_source,
+                "openapi_error": self.openapi_error, "known_issues": self.known_issues()})
+            return
+        for part in self._worker_parts():
+            if self.openapi is None and part.get("openapi"):
+                self.openapi, self.openapi_source = part["openapi"], part["openapi_source"]
+            self.openapi_error = self.openapi_error or part.get("openapi_error")
         self._write(self.build(int(exitstatus)))
 
     def _write(self, report: dict) -> None:
@@ -512,7 +534,8 @@ class ReportPlugin:
 
         state = self.config.stash.get(STATE, None)
         if state is None:
-            return None
+            return next((p["known_issues"] for p in self._worker_parts()
+                         if p.get("known_issues")), None)
         return {"source": state.source, "vllm_version": state.version,
                 "version_source": state.version_source, "host": state.host,
                 "entries": state.entries()}
@@ -535,11 +558,16 @@ class ReportPlugin:
             for k, v in (t.get("timing") or {}).items():
                 phases[k] = round(phases.get(k, 0.0) + v, 1)
         plan = getattr(self.state, "plan", None)
+        planned = (len(plan.servers) if plan is not None else
+                   sum(o.get("servers_planned", 0) for o in getattr(self.state, "worker_outputs", {}).values())
+                   or None)
         by_mode = start_seconds_by_mode(pool.started) if pool is not None else {}
         return {**figures,
                 "start_seconds_by_mode": by_mode,
-                "servers_planned": len(plan.servers) if plan is not None else None,
+                "servers_planned": planned,
                 "restart_reasons": list(pool.restarts) if pool is not None else [],
+                "resets": list(getattr(pool, "resets", [])),
+                "workers": len(getattr(self.state, "worker_outputs", {})) or None,
                 # seconds from the session's start (the plugin's configure) until the
                 # pool was made, i.e. collection and planning
                 "pool_made_at": (round(pool.t0 - self.state.t0, 1) if pool is not None
@@ -576,4 +604,7 @@ class ReportPlugin:
 
     def plan(self) -> dict | None:
         plan = getattr(self.state, "plan", None)
+        if plan is None and getattr(self.state, "worker_outputs", {}):  # side by side: each worker's plan
+            return {"workers": {w: o.get("plan") for w, o in
+                                sorted(getattr(self.state, "worker_outputs", {}).items())}}
         return plan.as_dict(getattr(self.state, "schedule", None)) if plan is not None else None

@@ -65,11 +65,6 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed
-    # Not a flag: which tests' server this is. Cases that differ only in what the
-    # trainer does (ipc-packed, ipc-unpacked) would share one server, but each of
-    # their seed flows needs never-synced weights: each gets a server of its own,
-    # started side by side, rather than one server restarted between them.
-    variant: str = ""
 
     @property
     def mode(self) -> str:
@@ -84,8 +79,6 @@ class ServerConfig:
         where = "cpu" if not self.device_ids else "gpu" + ",".join(map(str, self.device_ids))
         return (f"{Path(self.model).name} {self.dtype} backend={self.backend} "
                 f"load={self.load_format} {where} tp={self.tensor_parallel_size}"
-                + (f" for={self.variant}" if self.variant and self.variant != self.backend
-                   else "")
                 + ("" if self.enforce_eager else " mode=graphs")
                 + (f" quant={self.quantization}" if self.quantization else "")
                 + (" sleep-mode" if self.enable_sleep_mode else "")

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from harness import parity
+from harness.pool import State
 
 
 @pytest.mark.fresh_server
@@ -24,6 +25,37 @@ def test_parity_after_sync(synced):
     synced.session.record(**r.metrics())
     parity.assert_greedy_equal(r)
     parity.assert_logprobs_close(r, decode=synced.session.decode)
+
+
+# ----------------------------------------------------------------------------- one server, many variants
+
+def test_a_reset_brings_a_synced_server_back_to_gibberish(session):
+    """The variants of one configuration share its server: each seed flow after the
+    first runs on weights pushed back to dummy-equivalent ones (``reset_weights``), and
+    its "gibberish before" must prove what it proves on a new server."""
+    ref = session.reference()
+    session.ensure_holds()
+    parity.assert_greedy_equal(session.compare(ref))  # synced: the model's behaviour
+    session.reset_weights()
+    assert session.pool.holding_of(session.server_cfg).fresh
+    parity.assert_gibberish(session.compare(ref))
+    session.ensure_holds()
+
+
+@pytest.mark.selftest
+def test_the_gibberish_check_fails_after_a_reset_that_changes_nothing(session, monkeypatch):
+    """The same check against a reset that pushes the model itself back (a reset that
+    does nothing): the server still computes what the trainer's model computes, and
+    "gibberish before" must say so."""
+    from harness import models
+
+    ref = session.reference()
+    session.ensure_holds()
+    monkeypatch.setattr(models, "dummy_copy", lambda src, dest_root=None: src)
+    session.reset_weights()
+    with pytest.raises(AssertionError, match="already matches the reference"):
+        parity.assert_gibberish(session.compare(ref))
+    session.pool.set_holding(session.server_cfg, State.SYNCED, session.model_path)
 
 
 @pytest.mark.pause_resume

@@ -23,7 +23,8 @@ FRONT_ENDS = {"harness.plugin", "harness.report", "harness.known_issues", "harne
 ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", "harness.flow",
           "harness.trainer", "harness.server", "harness.client", "harness.layouts",
           "harness.models", "harness.reference", "harness.parity", "harness.vllm_api",
-          "harness.sync", "harness.measure", "harness.environment"}
+          "harness.sync", "harness.measure", "harness.environment", "harness.partition",
+          "harness.parallel"}
 
 
 def _imports(module: str) -> set[str]:
@@ -92,12 +93,13 @@ FLOORS = [
     ("facts", {"harness.facts", "harness.server", "harness.client", "harness.layouts",
                "harness.models", "harness.vllm_api", "harness.settings", "harness.reaper",
                "harness.text", "harness.probe_cache", "harness.plan", "harness.backends",
-               "harness.measure", "harness.environment", "harness.sync"}),
+               "harness.measure", "harness.environment", "harness.sync",
+               "harness.partition"}),
     ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
                "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
                "harness.frontends"}),
     ("engine", {"harness.cases", "harness.pool", "harness.trainer", "harness.trainer_child",
-                "harness.flow"}),
+                "harness.flow", "harness.parallel"}),
     ("faces", {"harness.plugin", "harness.report", "harness.known_issues", "harness.cli",
                "harness.demo", "harness.repro", "harness.repro_emit", "harness.repro_script",
                "harness.diff", "harness.matrix", "harness.bench", "harness.benchfile",
