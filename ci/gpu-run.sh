@@ -30,10 +30,19 @@ fi
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv > "$out/gpus.csv" 2>&1 || true
 limit=()
 [ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=30 "$GPU_RUN_SECONDS")
+# Tests side by side (pytest-xdist, whole servers per worker: harness/parallel.py):
+# GPU_RUN_WORKERS workers, "auto" (the host's concurrent starts, at most 8) unless the
+# arguments name -n themselves; 0 runs the tests one after another.
+workers=()
+case " $* " in
+  *" -n "*|*" -n"[0-9a]*|*" --numprocesses"*) ;;
+  *) python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_RUN_WORKERS:-auto}") ;;
+esac
 # --harness-require-gpu: a GPU run whose GPU cases did not run fails. Without it,
 # `-k ipc` on a runner that lost its GPUs ran only the unit tests named *ipc* and passed.
 "${limit[@]}" python3 -m pytest --harness-require-gpu --harness-report "$out/report.json" \
-  --junitxml "$out/junit.xml" --vllm-log-dir "$out/logs" "$@" 2>&1 | tee "$out/pytest.log"
+  --junitxml "$out/junit.xml" --vllm-log-dir "$out/logs" "${workers[@]}" "$@" 2>&1 \
+  | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 tar czf "$out/logs.tgz" -C "$out" logs 2>/dev/null && rm -rf "$out/logs"
 exit "$rc"

@@ -50,6 +50,14 @@ def auto_workers(host: _plan.Host) -> int:
     return max(1, min(MAX_WORKERS, host.max_starting()))
 
 
+def plan_workers(asked, host: _plan.Host) -> int:
+    """The workers a ``--harness-plan`` run plans for: ``-n N``, or ``-n auto`` on the
+    host planned for (``--harness-plan-host``)."""
+    if asked in ("auto", "logical"):
+        return auto_workers(host)
+    return int(asked or 0)
+
+
 def ours(config) -> bool:
     """This run is scheduled here: xdist is on with its default distribution."""
     return (config.getoption("dist", "no") == "load" and bool(config.getoption("tx", None))
@@ -62,6 +70,14 @@ def worker(config) -> tuple[int, int] | None:
     if wi is None or DIR_ENV not in os.environ:
         return None
     return int(str(wi["workerid"]).lstrip("gw")), int(wi["workercount"])
+
+
+def worker_bounds(host: _plan.Host, configs, n: int) -> tuple[int, int]:
+    """(servers starting at once, servers alive) for one of ``n`` workers: the host's
+    bounds shared out, but at least one start and the three servers one test may hold
+    (a server, its twin and a twin in the other mode)."""
+    return (max(1, host.max_starting() // n),
+            max(3, host.max_alive(list(configs)) // n))
 
 
 @dataclasses.dataclass
@@ -107,9 +123,8 @@ def describe(p: Partition, needs: Sequence[_plan.Need | None], host: _plan.Host,
         sub = [needs[i] for i in idx]
         wall = 0.0
         if sub:
-            pl = _plan.make_plan(sub, host, max_starting=max(1, host.max_starting() // n),
-                                 max_alive=max(2, host.max_alive([c for g in b
-                                                                  for c in g.servers]) // n))
+            starting, alive = worker_bounds(host, (c for g in b for c in g.servers), n)
+            pl = _plan.make_plan(sub, host, max_starting=starting, max_alive=alive)
             # the other workers start theirs at the same time: a start is as slow as
             # all workers' starts together make it
             width = n * pl.max_starting

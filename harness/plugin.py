@@ -141,10 +141,17 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
                 setattr(config.option, name, value)
 
 
-@pytest.hookimpl(optionalhook=True)
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: as many workers as this host starts servers at once."""
-    return parallel.auto_workers(_plan.Host.this())
+    """``-n auto``: as many workers as this host starts servers at once (for
+    ``--harness-plan``, the host planned for)."""
+    host = _plan.Host.this()
+    if config.getoption("harness_plan", None) and config.getoption("harness_plan_host", None):
+        try:
+            host = _settings.resolve(config.getoption, config.getini).host()
+        except _settings.SettingsError as e:
+            raise pytest.UsageError(str(e)) from None
+    return parallel.auto_workers(host)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -318,7 +325,9 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     keys = {id(it): (_plan.order_key(needs[id(it)]), i) for i, it in enumerate(items)}
     items.sort(key=lambda it: keys[id(it)])
     workers = parallel.worker(config) or (
-        (0, getattr(config.option, "plan_workers", 0)) if state.settings.harness_plan else None)
+        (0, parallel.plan_workers(getattr(config.option, "plan_workers", 0),
+                                  state.settings.host()))
+        if state.settings.harness_plan else None)
     if workers and workers[1] > 1:
         ordered = [needs[id(it)] for it in items]
         state.partition = parallel.make_partition(ordered, state.settings.host(), workers[1])
@@ -346,11 +355,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     share = parallel.worker(session.config)
     n = share[1] if share else 1
     host = s.host()
-    state.plan = _plan.make_plan(
-        needs, host,
-        max_starting=s.vllm_max_starting or (max(1, host.max_starting() // n) if n > 1 else None),
-        max_alive=s.vllm_max_servers or (max(2, host.max_alive(n_.server for n_ in needs) // n)
-                                         if n > 1 else None))
+    starting, alive = (parallel.worker_bounds(host, (x.server for x in needs), n) if n > 1
+                       else (None, None))
+    state.plan = _plan.make_plan(needs, host, max_starting=s.vllm_max_starting or starting,
+                                 max_alive=s.vllm_max_servers or alive)
     state.schedule = _plan.simulate(state.plan, *_plan.estimates(state.plan.host))
     state.last_use = state.plan.last_use()
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -416,7 +424,11 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
     if not log_dir.is_absolute():
         log_dir = Path(config.rootpath) / log_dir
     plan = state.plan
-    SPARES.count, SPARES.log_dir = s.trainer_spares(), log_dir
+    share = parallel.worker(config)
+    spares = s.trainer_spares()
+    if share and s.harness_trainer_spares is None:  # the default is the host's, shared
+        spares = min(spares, 1)
+    SPARES.count, SPARES.log_dir = spares, log_dir
     pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
                                    max_alive=plan.max_alive if plan else 2,
                                    max_starting=plan.max_starting if plan else 1,
