@@ -222,6 +222,7 @@ class VLLMServer:
         self.url = ""
         self.log_path: Path | None = None
         self.start_seconds: float | None = None
+        self.launched_at: float | None = None
         self.version: str | None = None
         self._attached = False
         self._log_mark = 0
@@ -265,6 +266,7 @@ class VLLMServer:
                               "request data (docs/faults.md)\n")
                 log.flush()
                 t0 = time.monotonic()
+                self.launched_at = time.time()  # vLLM stamps its log lines in wall-clock time
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL,
                                              env=reaper.tagged(build_env(self.cfg)),

@@ -94,7 +94,7 @@ FLOORS = [
                "harness.models", "harness.vllm_api", "harness.settings", "harness.reaper",
                "harness.text", "harness.probe_cache", "harness.plan", "harness.backends",
                "harness.measure", "harness.environment", "harness.sync",
-               "harness.partition"}),
+               "harness.partition", "harness.startup"}),
     ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
                "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
                "harness.frontends"}),
