@@ -336,6 +336,14 @@ def read_partition(collection: Sequence[str], wait: float = PARTITION_WAIT_S) ->
     return [bins[nid] for nid in collection]
 
 
+def remove_controller_dir() -> None:
+    d = os.environ.pop(DIR_ENV, None)
+    if d:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def controller_dir() -> str:
     """A fresh directory for gw0's partition; its path goes to the workers through the
     environment they inherit."""

@@ -645,6 +645,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if state is not None and hasattr(session.config, "workeroutput"):
         session.config.workeroutput.setdefault("harness", {}).update(
             parallel.worker_output(state))
+    if state is not None and not hasattr(session.config, "workerinput"):
+        parallel.remove_controller_dir()
     if state is not None and state.worker_outputs:  # the controller: what the workers saw
         for o in state.worker_outputs.values():
             state.gpu_cases.update(o.get("gpu_cases") or {})
