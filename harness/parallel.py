@@ -14,7 +14,8 @@ what a run waits for and the pool starts them ahead. So this module schedules in
   from its first second;
 * worker gw0 writes the partition (test id -> bin) where the controller reads it;
 * ``Scheduling`` (the controller) gives each worker the tests that need no server
-  first, as it asks for them, then its own bin's tests in plan order, all at once;
+  first, a module at a time as it asks for them, then its own bin's tests in plan
+  order, all at once;
 * each worker sends what the report and the summary need of its pool (servers
   started, restarts, resets, plan) back when it ends (``worker_output``), and the
   controller merges them into one report (``MergedPool``).
@@ -213,7 +214,7 @@ class Scheduling:
         self.collection: list[str] | None = None
         self.node2collection: dict = {}
         self.node2pending: dict = {}
-        self.free: list[int] = []
+        self.free: list[list[int]] = []   # the tests without a server, by module
         self.own: dict[int, list[int]] = {}
         self.orphans: list[int] = []
         self.collection_is_completed = False
@@ -284,11 +285,15 @@ class Scheduling:
         if self._scheduled:
             return
         bins = read_partition(self.collection)
+        modules: dict[str, list[int]] = {}
         for i, b in enumerate(bins):
             if b is None or b >= self.numnodes:
-                self.free.append(i)
+                modules.setdefault(self.collection[i].split("::", 1)[0], []).append(i)
             else:
                 self.own.setdefault(b, []).append(i)
+        # a module's tests go to one worker together: its module-scoped fixtures (a
+        # session killed once, then inspected by several tests) are made once
+        self.free = list(modules.values())
         self._scheduled = True
         for node in self.nodes:
             self._feed(node)
@@ -304,9 +309,9 @@ class Scheduling:
         if len(pending) >= 2:
             return
         send: list[int] = []
-        if self.free:
-            share = max(1, min(self.CHUNK, len(self.free) // (2 * max(1, len(self.nodes)))))
-            send, self.free = self.free[:share], self.free[share:]
+        if self.free:  # whole modules, at least CHUNK tests when there are that many
+            while self.free and len(send) < self.CHUNK:
+                send += self.free.pop(0)
         elif self.own.get(self._bin(node)):
             send = self.own.pop(self._bin(node))
         elif self.orphans:

@@ -124,7 +124,10 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
         start, test = _costs(host)
         chunks: list[list[int]] = [list(twinned)] + [[] for _ in range(k - 1)]
         loads = [start * (1 + bool(twinned)) + test(None) * len(twinned)] + [start] * (k - 1)
-        per = (sum(loads) + test(None) * len(rest)) / k
+        # fill each replica up to the run's fair share, counting the starts the cut
+        # adds; the last takes what is left, and a smaller group can join its bin
+        per = max((sum(loads) + test(None) * len(rest)) / k,
+                  (total + start * (k - 1)) / n)
         b = 0
         for i in rest:  # fill replica b up to the share, then the next
             if loads[b] >= per and b < k - 1:

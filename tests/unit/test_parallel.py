@@ -1,0 +1,120 @@
+"""Tests side by side (harness.parallel): the controller's scheduler deals each worker
+its own servers' tests and shares the tests without a server out by module; the
+partition keeps every server in one bin (its replicas aside)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from harness import parallel, partition
+from harness import plan as P
+from harness.server import ServerConfig
+
+HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
+
+
+class FakeNode:
+    def __init__(self, wid: str):
+        self.gateway = SimpleNamespace(id=wid)
+        self.sent: list[int] = []
+        self.shutting_down = False
+
+    def send_runtest_some(self, indices):
+        self.sent += list(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def _scheduler(tmp_path, monkeypatch, ids, bins, n=2):
+    monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
+    (tmp_path / "partition.json").write_text(json.dumps(dict(zip(ids, bins))))
+    config = SimpleNamespace(getoption=lambda name, default=None: ["popen"] * n)
+    sched = parallel.Scheduling(config)
+    nodes = [FakeNode(f"gw{k}") for k in range(n)]
+    for node in nodes:
+        sched.add_node(node)
+    for node in nodes:
+        sched.add_node_collection(node, ids)
+    sched.schedule()
+    return sched, nodes
+
+
+def _drain(sched, nodes):
+    """Complete every test as it is sent, until the scheduler is done."""
+    for _ in range(1000):
+        busy = [n for n in nodes if sched.node2pending.get(n)]
+        if not busy:
+            break
+        for node in busy:
+            sched.mark_test_complete(node, sched.node2pending[node][0])
+    return sched
+
+
+def test_each_worker_runs_its_own_servers_and_a_module_stays_together(tmp_path, monkeypatch):
+    ids = ([f"tests/unit/test_a.py::t{i}" for i in range(5)]
+           + [f"tests/test_s.py::k{i}" for i in range(3)]
+           + [f"tests/test_x.py::srv{i}[c]" for i in range(6)])
+    bins = [None] * 8 + [0, 0, 0, 1, 1, 1]
+    sched, nodes = _scheduler(tmp_path, monkeypatch, ids, bins)
+    _drain(sched, nodes)
+    assert sched.tests_finished and all(n.shutting_down for n in nodes)
+    ran = sorted(i for n in nodes for i in n.sent)
+    assert ran == list(range(len(ids))), "every test exactly once"
+    assert {8, 9, 10} <= set(nodes[0].sent) and {11, 12, 13} <= set(nodes[1].sent)
+    for module in ("tests/unit/test_a.py", "tests/test_s.py"):
+        holders = {k for k, n in enumerate(nodes) for i in n.sent if ids[i].startswith(module)}
+        assert len(holders) == 1, f"{module} split over workers {holders}"
+
+
+def test_a_dead_worker_names_the_test_it_died_in_and_its_tests_go_elsewhere(tmp_path,
+                                                                              monkeypatch):
+    ids = [f"tests/test_x.py::srv{i}" for i in range(4)]
+    sched, nodes = _scheduler(tmp_path, monkeypatch, ids, [0, 0, 1, 1])
+    assert sched.remove_node(nodes[0]) == ids[0]
+    _drain(sched, nodes[1:])
+    assert sorted(nodes[1].sent) == [1, 2, 3]
+
+
+def test_a_collection_that_differs_between_workers_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
+    sched = parallel.Scheduling(SimpleNamespace(getoption=lambda n, d=None: ["popen"] * 2))
+    a, b = FakeNode("gw0"), FakeNode("gw1")
+    sched.add_node(a), sched.add_node(b)
+    sched.add_node_collection(a, ["t1", "t2"])
+    with pytest.raises(RuntimeError):
+        sched.add_node_collection(b, ["t1"])
+
+
+def _cfg(model, load="dummy"):
+    return ServerConfig(model=f"/zoo/{model}", backend="ipc", load_format=load, device_ids=(0,))
+
+
+def test_the_partition_keeps_a_server_with_its_twin_and_cuts_the_longest():
+    big, twin, small = _cfg("big"), _cfg("big", "auto"), _cfg("small")
+    needs = ([None, None] + [P.Need(f"b{i}", big, twin if i % 20 == 0 else None)
+                             for i in range(120)]
+             + [P.Need(f"s{i}", small) for i in range(4)])
+    p = parallel.make_partition(needs, HOST, 3)
+    bins = p.bin_of(needs)
+    assert bins[:2] == [None, None]
+    small_bins = {bins[i] for i, n in enumerate(needs) if n and n.server == small}
+    assert len(small_bins) == 1, "a server in two bins"
+    twinned = {bins[i] for i, n in enumerate(needs) if n and n.twin is not None}
+    assert len(twinned) == 1, "the twin's tests on two replicas"
+    big_bins = {bins[i] for i, n in enumerate(needs) if n and n.server == big}
+    assert len(big_bins) == 3, "the longest server is cut into replicas"
+    loads = p.loads()
+    assert max(loads) <= 1.25 * min(loads), loads
+    assert p.critical is not None and p.critical.replicas == 3
+
+
+def test_groups_join_servers_that_one_test_links():
+    a, b, twin_a = _cfg("a"), _cfg("b"), _cfg("a", "auto")
+    gs = partition.groups([P.Need("x", a), P.Need("y", a, twin_a), P.Need("z", b), None],
+                          HOST)
+    assert [set(g.servers) for g in gs] == [set(), {a, twin_a}, {b}]
+    assert [g.tests for g in gs] == [(3,), (0, 1), (2,)]
