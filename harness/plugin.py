@@ -113,6 +113,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
     state = config.stash[STATE] = RunState(s)
+    if s.harness_shard:  # applied after -k, -m and the harness's deselection
+        from .sharding import ShardPlugin
+
+        config.pluginmanager.register(ShardPlugin(state, _need), "harness-shard")
     if s.harness_report:
         from .report import ReportPlugin
 
@@ -285,8 +289,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             tr.write_line(line)
     if s.harness_plan:
         if tr is not None:
-            for line in _plan.describe(state.plan, state.schedule,
-                                       verbose=session.config.option.verbose > 0):
+            from .sharding import plan_lines
+
+            for line in plan_lines(session.config) + _plan.describe(
+                    state.plan, state.schedule, verbose=session.config.option.verbose > 0):
                 tr.write_line(line)
         session.config.option.collectonly = True  # the plan is all this run does
 
