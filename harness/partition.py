@@ -88,9 +88,9 @@ def assign(groups: list[Group], n: int) -> list[list[Group]]:
         bins[k].append(g)
         load[k] += g.cost
     for g in (g for g in groups if not g.servers):
-        each = g.cost / len(g.tests)
-        for k in range(n):
-            part = g.tests[k * len(g.tests) // n:(k + 1) * len(g.tests) // n]
+        each, (q, r), at = g.cost / len(g.tests), divmod(len(g.tests), n), 0
+        for k in range(n):   # the first r bins one test more
+            part, at = g.tests[at:at + q + (k < r)], at + q + (k < r)
             if part:
                 bins[k].append(Group((), part, each * len(part)))
     return [sorted(b, key=lambda g: g.tests[0]) for b in bins]

@@ -41,6 +41,19 @@ class ShardPlugin:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [it for i, it in enumerate(items) if i in keep]
 
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """--harness-plan runs nothing, even for a shard none of whose tests takes a
+        case (the plugin's plan, which prints the shards, is then not made)."""
+        if not self.state.settings.harness_plan:
+            return
+        session.config.option.collectonly = True
+        if not any("case" in getattr(getattr(it, "callspec", None), "params", {})
+                   for it in session.items):
+            tr = session.config.pluginmanager.get_plugin("terminalreporter")
+            for line in plan_lines(session.config) if tr is not None else ():
+                tr.write_line(line)
+
 
 def plan_lines(config: pytest.Config) -> list[str]:
     """Every shard's servers, tests and estimated wall time (nothing without a shard)."""
