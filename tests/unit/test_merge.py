@@ -155,7 +155,8 @@ def test_the_command_merges_and_refuses_in_one_line(tmp_path, shards, whole, cap
     assert f"merged 2 reports: {whole['summary']['total']} tests" in capsys.readouterr().out
     assert cli.main(["merge", a, a, "-o", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"harness merge: {a} and {a} overlap: both have ") and err.count("\n") == 1
+    assert err.startswith(f"harness merge: {a} and {a} overlap: both have ")
+    assert err.count("\n") == 1
     assert cli.main(["merge", a, str(tmp_path / "none.json"), "-o", str(out)]) == 2
     assert "no such file" in capsys.readouterr().err
 
