@@ -13,6 +13,8 @@ COMMANDS = {
     "diff": ("harness.diff", "compare two JSON reports; non-zero exit when something regressed"),
     "matrix": ("harness.matrix", "one table of vLLM release x check from one report per release, "
                                  "with the first release of every known issue"),
+    "merge": ("harness.merge", "join the reports of one run's shards (--harness-shard K/N) "
+                               "into one report"),
     "repro": ("harness.repro", "run one scenario step by step; --emit writes a standalone script"),
 }
 

@@ -1,4 +1,5 @@
-"""Whole servers with their tests, spread over N bins: pytest-xdist workers or CI shards.
+"""Whole servers with their tests, spread over N bins: pytest-xdist workers, or the
+shards of ``--harness-shard K/N`` (one CI machine each).
 
 A run's cost is its servers' starts and the tests on them, and a server started in two
 bins is paid twice; so the unit of partitioning is a *group*: the servers one test
@@ -11,7 +12,8 @@ which may be split freely.
   replicas: the same configuration started in two bins, its tests divided between
   them (the twin's tests stay together, with the first replica), so that no one
   server is the critical path;
-* ``assign`` puts groups into N bins, longest first onto the least loaded bin;
+* ``assign`` puts groups into N bins, longest first onto the least loaded bin (the
+  tests without a server split evenly); ``shard`` is one bin of that, for a machine;
 * ``critical_path`` is the costliest group: however many bins, the run takes at least
   that long.
 
@@ -144,15 +146,52 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
 
 
 def assign(gs: Sequence[Group], n: int) -> list[list[Group]]:
-    """``n`` bins: the costliest group first, each onto the bin least loaded so far
-    (ties: the lower bin); within a bin, groups in run order (by first test)."""
-    bins: list[list[Group]] = [[] for _ in range(max(1, n))]
-    loads = [0.0] * len(bins)
-    for g in sorted(gs, key=lambda g: (-g.cost, g.first)):
-        k = min(range(len(bins)), key=lambda b: (loads[b], b))
+    """``n`` bins: the costliest server group first, each onto the bin least loaded so
+    far (ties: the first test, then the lower bin), so the result depends on nothing
+    but the input. A group without servers is split evenly, in run order, over every
+    bin. Within a bin, groups in run order (by first test)."""
+    if n < 1:
+        raise ValueError(f"need at least one bin, got {n}")
+    bins: list[list[Group]] = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for g in sorted((g for g in gs if g.servers), key=lambda g: (-g.cost, g.first)):
+        k = min(range(n), key=lambda b: (loads[b], b))
         bins[k].append(g)
         loads[k] += g.cost
+    for g in (g for g in gs if not g.servers):
+        each, (q, r), at = g.cost / len(g.tests), divmod(len(g.tests), n), 0
+        for k in range(n):   # the first r bins one test more
+            part, at = g.tests[at:at + q + (k < r)], at + q + (k < r)
+            if part:
+                bins[k].append(Group((), part, each * len(part)))
     return [sorted(b, key=lambda g: g.first) for b in bins]
+
+
+def shard(needs: Sequence[_plan.Need | None], host: _plan.Host, k: int, n: int) -> list[int]:
+    """Indices (in run order) of the tests in shard ``k`` of ``n`` (1-based): whole
+    groups, no replicas (a replica would start a server on two machines)."""
+    if not 1 <= k <= n:
+        raise ValueError(f"shard {k} of {n}: expected 1 <= K <= N")
+    return sorted(i for g in assign(groups(needs, host), n)[k - 1] for i in g.tests)
+
+
+def describe(bins: list[list[Group]], needs: Sequence[_plan.Need | None], host: _plan.Host,
+             *, max_starting: int | None = None, max_alive: int | None = None) -> list[str]:
+    """Every shard as lines for a terminal: its servers, tests, estimated cost and wall
+    time on ``host`` (``harness.plan.simulate`` of that shard's own plan)."""
+    out = [f"{len(bins)} shards for {host.describe()}:"]
+    for k, b in enumerate(bins, 1):
+        idx = sorted(i for g in b for i in g.tests)
+        own = [needs[i] for i in idx if needs[i] is not None]
+        p = _plan.make_plan(own, host, max_starting=max_starting, max_alive=max_alive)
+        wall = _plan.simulate(p, *_plan.estimates(host)).wall_seconds if p.servers else (
+            _plan.NO_SERVER_TEST_SECONDS * len(idx))
+        out.append(f"  shard {k}/{len(bins)}: {len(idx)} tests ({len(idx) - len(own)} without "
+                   f"a server) on {len(p.servers)} servers in {sum(1 for g in b if g.servers)} "
+                   f"groups; cost {sum(g.cost for g in b):.0f}s, about {wall / 60:.1f} min of "
+                   f"wall time")
+        out += [f"      {c.describe()}" for g in b for c in g.servers]
+    return out
 
 
 def critical_path(gs: Sequence[Group]) -> Group | None:

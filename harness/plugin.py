@@ -120,6 +120,10 @@ def pytest_configure(config: pytest.Config) -> None:
     state = config.stash[STATE] = RunState(s)
     if parallel.ours(config) and not hasattr(config, "workerinput"):
         parallel.controller_dir()  # the workers, started after this, inherit its path
+    if s.harness_shard:  # applied after -k, -m and the harness's deselection
+        from .sharding import ShardPlugin
+
+        config.pluginmanager.register(ShardPlugin(state, _need), "harness-shard")
     if s.harness_report:
         from .report import ReportPlugin
 
@@ -367,8 +371,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             tr.write_line(line)
     if s.harness_plan:
         if tr is not None:
-            for line in _plan.describe(state.plan, state.schedule,
-                                       verbose=session.config.option.verbose > 0):
+            from .sharding import plan_lines
+
+            for line in plan_lines(session.config) + _plan.describe(
+                    state.plan, state.schedule, verbose=session.config.option.verbose > 0):
                 tr.write_line(line)
             if state.partition is not None:
                 paths = {}

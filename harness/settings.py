@@ -119,6 +119,15 @@ def _host_spec(flag: str, v: str) -> str:
     return v
 
 
+def _shard(flag: str, v: str) -> tuple[int, int]:
+    """``K/N``: the K-th of N shards, 1 <= K <= N (harness.partition)."""
+    k, sep, n = str(v).strip().partition("/")
+    if not (sep and k.strip().isdigit() and n.strip().isdigit() and 1 <= int(k) <= int(n)):
+        raise SettingsError(f"{flag}: expected K/N with 1 <= K <= N (shard 2 of 3: 2/3), "
+                            f"got {v!r}")
+    return int(k), int(n)
+
+
 def _nearest_existing(p: Path) -> Path:
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -289,6 +298,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("harness_plan_host", "plan for another host: name=value pairs among gpus, cores, "
            "gpu_memory_gib, ram_gib (e.g. gpus=2,cores=32)", None,
            lambda f, v: _host_spec(f, v), shown_default="this host", metavar="SPEC"),
+    Option("harness_shard", "run shard K of N of the selection: whole servers (a dummy "
+           "server with its disk-loaded twin) per shard, balanced by the plan's estimate; "
+           "harness merge joins the shards' reports", None, _shard, metavar="K/N"),
     Option("harness_depth", "how far the default selection goes: 'full' runs every zoo "
            "architecture in every dtype its tests pin, with their disk-loaded twins, and the "
            "graph-mode cases; 'quick' runs llama in every dimension and each other "
@@ -341,6 +353,7 @@ class Settings:
     harness_plan: bool = False
     harness_plan_host: str | None = None
     harness_depth: str | None = None
+    harness_shard: tuple[int, int] | None = None
     harness_require_gpu: bool = False
     harness_trainer_spares: int | None = None
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)

@@ -19,7 +19,8 @@ FRONT_ENDS = {"harness.plugin", "harness.report", "harness.known_issues", "harne
               "harness.repro", "harness.diff", "harness.bench", "harness.cli",
               "harness.repro_script",
               "harness.bench_run", "harness.bench_view", "harness.diff_reports",
-              "harness.diff_render", "harness.diff_bench", "harness.known_issues_verify"}
+              "harness.diff_render", "harness.diff_bench", "harness.known_issues_verify",
+              "harness.sharding", "harness.merge"}
 ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", "harness.flow",
           "harness.trainer", "harness.server", "harness.client", "harness.layouts",
           "harness.models", "harness.reference", "harness.parity", "harness.vllm_api",
@@ -60,7 +61,7 @@ def test_nothing_imports_the_plugin():
 def test_front_ends_do_not_import_each_other():
     # the plugin may register its report and known-issues hooks: they are its parts
     allowed = {("harness.plugin", "harness.report"), ("harness.plugin", "harness.known_issues"),
-               ("harness.report", "harness.known_issues"),
+               ("harness.report", "harness.known_issues"), ("harness.plugin", "harness.sharding"),
                ("harness.cli", "harness.demo"), ("harness.cli", "harness.repro"),
                ("harness.cli", "harness.diff"), ("harness.cli", "harness.bench"),
                # one command's parts
@@ -69,7 +70,9 @@ def test_front_ends_do_not_import_each_other():
                ("harness.diff", "harness.diff_reports"), ("harness.diff", "harness.diff_render"),
                ("harness.diff", "harness.diff_bench"),
                ("harness.known_issues", "harness.known_issues_verify"),
-               ("harness.known_issues_verify", "harness.known_issues")}
+               ("harness.known_issues_verify", "harness.known_issues"),
+               # a merge reads reports as diff does and summarizes them as the report does
+               ("harness.merge", "harness.diff_reports"), ("harness.merge", "harness.report")}
     bad = [(m, other) for m in FRONT_ENDS if m in MODULES
            for other in FRONT_ENDS - {m} if other in _imports(m) and (m, other) not in allowed]
     assert bad == []
@@ -105,7 +108,8 @@ FLOORS = [
                "harness.diff", "harness.matrix", "harness.bench", "harness.benchfile",
                "harness.rawlimit", "harness.bench_run", "harness.bench_view",
                "harness.diff_reports", "harness.diff_render", "harness.diff_bench",
-               "harness.diff_common", "harness.known_issues_verify"}),
+               "harness.diff_common", "harness.known_issues_verify", "harness.sharding",
+               "harness.merge"}),
 ]
 ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
                .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}

@@ -61,6 +61,12 @@ BAD = [
     (["--vllm-start-timeout", "abc"], "--vllm-start-timeout: expected a number of seconds, got 'abc'"),
     (["--vllm-sync-timeout", "-5"], "--vllm-sync-timeout: must be greater than 0, got '-5'"),
     (["--vllm-max-servers", "0"], "--vllm-max-servers: must be at least 1, got '0'"),
+    (["--harness-shard", "0/3"], "--harness-shard: expected K/N with 1 <= K <= N (shard 2 of "
+     "3: 2/3), got '0/3'"),
+    (["--harness-shard", "4/3"], "--harness-shard: expected K/N with 1 <= K <= N (shard 2 of "
+     "3: 2/3), got '4/3'"),
+    (["--harness-shard", "x"], "--harness-shard: expected K/N with 1 <= K <= N (shard 2 of "
+     "3: 2/3), got 'x'"),
     (["--vllm-url", "not-a-url"], "--vllm-url: expected http://host:port, got 'not-a-url'"),
     (["--vllm-log-dir", "/etc/passwd"],
      "--vllm-log-dir: /etc/passwd exists and is not a directory"),

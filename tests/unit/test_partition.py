@@ -1,0 +1,159 @@
+"""--harness-shard K/N and harness.partition: every selected test in exactly one shard,
+no server in two shards, the shards' estimated costs close to each other.
+
+The needs are the real ones: a pytest run of this repository plans the GPU selections
+for a host it does not have (--harness-plan --harness-plan-host) with --harness-shard,
+and a small plugin hands back the needs the shard plugin cut (harness.sharding.SHARDS)
+and the tests the shard kept. Collection only: no server starts here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import partition
+from harness import plan as P
+from harness.server import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DUMP = """
+import os, pickle
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    from harness import sharding
+    bins, needs, settings = session.config.stash[sharding.SHARDS]
+    with open(os.environ["NEEDS_OUT"], "wb") as f:
+        pickle.dump({"needs": needs, "kept": [it.nodeid for it in session.items]}, f)
+"""
+
+SELECTIONS = {
+    "1gpu-ipc": ("ipc and not smollm2", P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128),
+                 "gpus=1,cores=16,gpu_memory_gib=139,ram_gib=128", (2, 3)),
+    "2gpu-nccl-or-ipc": ("nccl or ipc", P.Host(gpus=2, cores=32, gpu_memory_gib=139, ram_gib=256),
+                         "gpus=2,cores=32,gpu_memory_gib=139,ram_gib=256", (3, 4)),
+}
+
+
+@pytest.fixture(scope="module", params=list(SELECTIONS))
+def selection(request, tmp_path_factory):
+    keyword, host, spec, (k, n) = SELECTIONS[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    (tmp / "needs_dump.py").write_text(DUMP)
+    env = dict(os.environ, HARNESS_REPORT_PROBES="0", NEEDS_OUT=str(tmp / "needs.pkl"),
+               PYTHONPATH=os.pathsep.join([str(tmp), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for name in ("HARNESS_SHARD", "HARNESS_PLAN_HOST", "HARNESS_GPUS"):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "needs_dump", "--harness-plan", "--harness-plan-host", spec,
+                        "-k", keyword, "--harness-shard", f"{k}/{n}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = pickle.loads((tmp / "needs.pkl").read_bytes())
+    return {"needs": got["needs"], "kept": got["kept"], "host": host, "k": k, "n": n,
+            "stdout": r.stdout}
+
+
+def _cost(b: list[partition.Group]) -> float:
+    return sum(g.cost for g in b)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_shards_partition_the_selection_by_whole_servers(selection, n):
+    needs, host = selection["needs"], selection["host"]
+    assert len(needs) > 250 and sum(x is not None for x in needs) > 200  # the real selection
+    bins = partition.assign(partition.groups(needs, host), n)
+    assert len(bins) == n
+    tests = [i for b in bins for g in b for i in g.tests]
+    assert sorted(tests) == list(range(len(needs))), "a test in no shard, or in two"
+    for k in range(1, n + 1):
+        assert partition.shard(needs, host, k, n) == sorted(i for g in bins[k - 1]
+                                                            for i in g.tests)
+    servers = [{c for g in b for c in g.servers} for b in bins]
+    for a in range(n):
+        for b in range(a + 1, n):
+            assert not servers[a] & servers[b], f"a server in shards {a + 1} and {b + 1}"
+    for b, on in zip(bins, servers):  # every server a shard's tests need is in it
+        assert b, "a shard without work"
+        for g in b:
+            for i in g.tests:
+                assert needs[i] is None or set(needs[i].servers) <= on
+    loads = sorted(((_cost(b), b) for b in bins), key=lambda x: x[0])
+    low, (high, top) = loads[0][0], loads[-1]
+    biggest = max(g.cost for b in bins for g in b)
+    if len([g for g in top if g.servers]) == 1 and biggest > sum(x for x, _ in loads) / n:
+        high = loads[-2][0]  # one group alone outweighs an even share: the others must balance
+    assert high - low <= 0.25 * high, [round(x) for x, _ in loads]
+
+
+def test_the_plugin_keeps_the_shard_partition_computes(selection):
+    """The shard the plugin ran is partition.shard of the needs it cut, and the others
+    are one summary line."""
+    needs, host, k, n = (selection[x] for x in ("needs", "host", "k", "n"))
+    mine = partition.shard(needs, host, k, n)
+    assert len(selection["kept"]) == len(mine)
+    assert ([x for x in selection["kept"] if x in {nd.test for nd in needs if nd}]
+            == [needs[i].test for i in mine if needs[i] is not None])
+    out = selection["stdout"]
+    assert f"deselected {len(needs) - len(mine)}: in other shards of --harness-shard {k}/{n}" in out
+    for j in range(1, n + 1):  # --harness-plan shows every shard, then this shard's plan
+        assert f"  shard {j}/{n}: " in out
+    assert f"the plan of shard {k}/{n}" in out and f"server plan for {host.describe()[:12]}" in out
+
+
+def _need(name: str, twin: bool = False) -> P.Need:
+    cfg = ServerConfig(model=f"/zoo/{name}", backend="ipc", dtype="float32", device_ids=(0,))
+    return P.Need(f"t::{name}", cfg, ServerConfig(model=f"/zoo/{name}", backend="ipc",
+                                                 dtype="float32", load_format="auto",
+                                                 device_ids=(0,)) if twin else None)
+
+
+def test_a_twin_joins_its_servers_into_one_group_and_no_server_tests_are_one():
+    host = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
+    a, a_twin = _need("a"), _need("a", twin=True)
+    # another server (here: another flag) compared with the same twin joins the group
+    unpacked = P.Need("t::u", dataclasses.replace(a.server, extra_args=("--seed", "1")),
+                      a_twin.twin)
+    needs = [None, a, a_twin, unpacked, _need("b"), None]
+    gs = partition.groups(needs, host)
+    assert [g.tests for g in gs] == [(0, 5), (1, 2, 3), (4,)]
+    assert gs[0].servers == () and gs[0].cost == pytest.approx(2 * P.NO_SERVER_TEST_SECONDS)
+    start, test = P.estimates(host)
+    assert gs[1].cost == pytest.approx(3 * start(1) + 3 * test(a))
+    assert set(gs[1].servers) == {a.server, a_twin.twin, unpacked.server}
+
+
+def test_the_no_server_tests_spread_over_every_shard_and_ties_are_deterministic():
+    host = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
+    needs = [None] * 7 + [_need(x) for x in "abc"]
+    bins = partition.assign(partition.groups(needs, host), 3)
+    assert [[g.tests for g in b] for b in bins] == [[(0, 1, 2), (7,)], [(3, 4), (8,)],
+                                                   [(5, 6), (9,)]]
+    assert partition.assign(partition.groups(needs, host), 3) == bins
+    assert [len(b) for b in partition.assign(partition.groups([None] * 2, host), 3)] == [1, 1, 0]
+    with pytest.raises(ValueError):
+        partition.shard(needs, host, 4, 3)
+
+
+def test_tests_without_a_server_are_sharded_and_a_plan_of_them_runs_nothing(pytester,
+                                                                             monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("HARNESS_SHARD", raising=False)
+    pytester.makepyfile(test_plain="".join(f"def test_{i}():\n    pass\n" for i in range(5)))
+    r = pytester.runpytest("-q", "-p", "no:cacheprovider", "--harness-shard", "2/2")
+    assert r.ret == 0, r.stdout.str()
+    r.assert_outcomes(passed=2, deselected=3)
+    assert "deselected 3: in other shards of --harness-shard 2/2" in r.stdout.str()
+    r = pytester.runpytest("-q", "-p", "no:cacheprovider", "--harness-shard", "1/2",
+                           "--harness-plan")
+    assert "  shard 2/2: 2 tests (2 without a server) on 0 servers" in r.stdout.str()
+    assert "passed" not in r.stdout.str(), r.stdout.str()
