@@ -110,6 +110,8 @@ class Case:
     def unsupported(self) -> str | None:
         """Why this case cannot run where its layout puts the server, known without
         starting it (its tests skip with this reason); None when it can."""
+        if self.layout.unsupported:
+            return f"layout {self.layout.name}: {self.layout.unsupported}"
         if not self.layout.server_gpus:
             for f in self.features:
                 if FEATURES[f].cpu_unsupported:
@@ -169,6 +171,8 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
         attn = "FLEX_ATTENTION"  # FlashAttention 3, the Hopper default, refuses float32
     kw = dict(model=model_path, backend=case.backend.engine, dtype=case.dtype,
               device_ids=lay.server_gpus, tensor_parallel_size=lay.tensor_parallel_size,
+              data_parallel_size=lay.data_parallel_size,
+              pipeline_parallel_size=lay.pipeline_parallel_size,
               attention_backend=attn,
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
               kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,

@@ -14,6 +14,7 @@ server that never retry and always time out.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -142,6 +143,14 @@ class ServerClient:
     def world_size(self) -> int:
         """``GET /get_world_size``: how many worker ranks the server runs."""
         return int(self._call("GET", "/get_world_size")["world_size"])
+
+    def on_dp_rank(self, rank: int) -> "ServerClient":
+        """A clone whose requests all go to data-parallel engine ``rank``: vLLM's API
+        server routes a request that carries ``X-data-parallel-rank`` to that engine
+        instead of the least loaded one (``_get_data_parallel_rank``, 0.26-0.34)."""
+        c = self.clone()
+        c.session.headers["X-data-parallel-rank"] = str(int(rank))
+        return c
 
     def clone(self) -> "ServerClient":
         """A client for the same server with its own HTTP session (one per thread)."""
@@ -303,7 +312,8 @@ class ServerClient:
             if self._sdk is None:
                 self._sdk = openai.OpenAI(base_url=self.url + "/v1",
                                           api_key=self.api_key or SDK_API_KEY,
-                                          max_retries=0, timeout=self.timeout)
+                                          max_retries=0, timeout=self.timeout,
+                                          default_headers=self._routing_headers())
             return self._sdk
 
     def async_openai_sdk(self, *, timeout: float | None = None) -> "openai.AsyncOpenAI":
@@ -312,4 +322,63 @@ class ServerClient:
         import openai
 
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or SDK_API_KEY,
-                                  max_retries=0, timeout=timeout or self.timeout)
+                                  max_retries=0, timeout=timeout or self.timeout,
+                                  default_headers=self._routing_headers())
+
+    def _routing_headers(self) -> dict[str, str] | None:
+        """The data-parallel pin (``on_dp_rank``) for the SDK's requests too."""
+        rank = self.session.headers.get("X-data-parallel-rank")
+        return {"X-data-parallel-rank": rank} if rank is not None else None
+
+
+# ----------------------------------------------------------------------------- refusals
+
+_FAILED_WITH = re.compile(r"(?P<route>/[\w/]+) failed with HTTP (?P<status>\d{3}): ?(?P<detail>.*)",
+                          re.S)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A failed request as an error message tells it: the route, the HTTP status, the
+    server's answer (``ControlPlaneError``'s first line, as the trainer reports it too)."""
+
+    route: str
+    status: int
+    detail: str
+
+
+def refusal_in(error: BaseException | str) -> Refusal | None:
+    """The first ``<route> failed with HTTP <status>: <detail>`` in an error (a
+    ``ControlPlaneError``, or a trainer's error that carries one); None without one."""
+    if isinstance(error, ControlPlaneError) and error.status is not None:
+        return Refusal(error.route, error.status, str(error.detail))
+    m = _FAILED_WITH.search(str(error))
+    if m is None:
+        return None
+    return Refusal(m["route"], int(m["status"]), m["detail"].split("\nrequest:")[0].strip())
+
+
+def assert_refused(error: BaseException | str | None, *, what: str,
+                   names: tuple[str, ...]) -> Refusal:
+    """A request the server's state forbids must be refused with a 4xx whose answer
+    names that state (any of ``names``, case-insensitive). A 200 (``error`` None), an
+    error without a route and status, a 5xx or a 4xx that names nothing each fail with
+    one line that says which."""
+    if error is None:
+        raise AssertionError(f"{what}: answered 200; it must be refused with a 4xx that "
+                             f"names the state ({' / '.join(names)})")
+    r = refusal_in(error)
+    first = str(error).splitlines()[0][:400] if str(error) else type(error).__name__
+    if r is None:
+        raise AssertionError(f"{what}: failed without an HTTP status from a route: {first}")
+    if r.status >= 500:
+        raise AssertionError(f"{what}: {r.route} answered HTTP {r.status}; a request the "
+                             f"server's state forbids must be refused with a 4xx naming "
+                             f"it: {r.detail[:400]}")
+    if not 400 <= r.status < 500:
+        raise AssertionError(f"{what}: {r.route} answered HTTP {r.status}, not a 4xx "
+                             f"refusal: {r.detail[:400]}")
+    if not any(n.lower() in r.detail.lower() for n in names):
+        raise AssertionError(f"{what}: {r.route} refused with HTTP {r.status} without "
+                             f"naming the state ({' / '.join(names)}): {r.detail[:400]}")
+    return r

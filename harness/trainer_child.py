@@ -24,8 +24,9 @@ from typing import Any, Callable
 
 from harness.facts import torch_dtype_name
 from harness.portable import corrupt as _portable_corrupt
-from harness.trainer import (API_KEY_ENV, DROP_ENV, FAKE_GPU_UUID, LIES, RECOVERS_IN_PLACE,
-                             VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS, TrainerSpec)
+from harness.trainer import (API_KEY_ENV, DROP_ENV, FAKE_GPU_UUID, LIES, RANK0_ONLY,
+                             RECOVERS_IN_PLACE, VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS,
+                             TrainerSpec)
 
 
 # ----------------------------------------------------------------------------- corruptions
@@ -66,12 +67,19 @@ def _bump_last_embedding_row(weights: list[tuple[str, Any]], target: str | None
 
 # ----------------------------------------------------------------------------- lies
 
+def nothing_for(update_info: dict) -> dict:
+    """``update_info`` describing no tensor (its other fields, a bucket's path, kept)."""
+    return {**update_info, "names": [], "dtype_names": [], "shapes": []}
+
+
 def lie_about(update_info: dict, lie: str) -> tuple[dict, str]:
     """A copy of ``update_info`` that disagrees with the tensors it describes."""
     if lie not in LIES:
         raise ValueError(f"unknown lie {lie!r}; known: {', '.join(LIES)}")
     info = dict(update_info)
     names, shapes = list(info.get("names") or []), [list(x) for x in info.get("shapes") or []]
+    if lie == RANK0_ONLY:
+        raise ValueError(f"{RANK0_ONLY} is a lie about the ranks: LyingClient sends it")
     if lie != "gpu" and not names:
         return info, "nothing to lie about (no tensor in this update)"
     if lie == "names":
@@ -118,6 +126,13 @@ class LyingClient:
         return getattr(self._client, name)
 
     def update_weights(self, update_info):
+        if self.lie == RANK0_ONLY:
+            infos = (update_info if isinstance(update_info, list)
+                     else [update_info] * self._client.world_size())
+            out = [infos[0]] + [nothing_for(u) for u in infos[1:]]
+            self.told.append(f"the update to global worker rank 0 only; ranks 1-"
+                             f"{len(out) - 1} got one of no tensor")
+            return self._client.update_weights(out)
         if isinstance(update_info, list):  # one entry per data-parallel rank
             out = [lie_about(u, self.lie) for u in update_info]
             self.told.append(out[0][1])

@@ -3,7 +3,7 @@
 This is the only module that knows the API changed between releases. It decides
 by feature detection (does the class exist, what does the signature take), never
 by comparing version strings, so a patched or back-ported vLLM takes the path its
-code supports. Three generations are known (checked against their sources):
+code supports. The generations known (checked against their sources):
 
 * 0.26: ``nccl_common.trainer_init(dict)`` returns the trainer's communicator, the
   static ``NCCLWeightTransferEngine.trainer_send_weights(iterator, args)``
@@ -31,6 +31,19 @@ code supports. Three generations are known (checked against their sources):
   ``weight_source`` builds the source each generation expects; ``source_metadata`` /
   ``iterate_source`` read one either way; ``forget_sent_metadata`` makes the next
   NCCL update carry its metadata again (fault tests that lie about it need that).
+* 0.34 (read from its source; no CPU build, not run here): ``base.py``,
+  ``clients.py`` and ``factory.py`` are 0.33's. NCCL takes several broadcasting
+  trainer ranks (pipeline stages): ``NCCLWeightTransferUpdateInfo`` gained ``src`` (the
+  broadcaster's group rank, default 0, left out of the payload when 0), the trainer
+  engine sets the init payload's ``rank_offset`` to the number of broadcasters, and
+  the worker refuses a ``src`` outside ``[0, rank_offset)``; the elided metadata is
+  kept per ``(model, src)``. ``NCCLTrainerInitInfo.use_load_plan`` (default off) plans
+  direct writes. The workers' reload lifecycle is ``reload.start_reload`` /
+  ``finish_reload(model, model_config, device)`` (``VLLM_RELOAD_MODE``), and
+  ``mtp_validation`` is gone (its guard became ``weight_update_active()``, set by
+  ``start_reload``): the harness's shm engine takes that lifecycle where it exists
+  (``harness/backends/shm_engine.py``). ``probe()`` reports both
+  (``nccl_update_info_names_sender``, ``reload.start_reload``).
 
 Importing this module imports neither vLLM nor torch: the pytest process uses it
 too, and must never load CUDA libraries. ``probe(isolated=True)`` and
@@ -40,6 +53,7 @@ too, and must never load CUDA libraries. ``probe(isolated=True)`` and
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -80,6 +94,8 @@ _WHERE: dict[str, tuple[str, str]] = {
     "IPCTrainerSendWeightsArgs": (f"{_WT}.ipc_engine", "IPCTrainerSendWeightsArgs"),
     "IPCWeightTransferEngine.trainer_send_weights":
         (f"{_WT}.ipc_engine", "IPCWeightTransferEngine.trainer_send_weights"),
+    # 0.34: the reload lifecycle the workers' engines call (VLLM_RELOAD_MODE)
+    "reload.start_reload": ("vllm.model_executor.model_loader.reload", "start_reload"),
 }
 
 # The static senders: present only where they take (iterator, trainer_args). 0.27.1 keeps
@@ -181,6 +197,9 @@ def _probe_here() -> dict[str, Any]:
         caps[f"{engine}_update_info_fields"] = _field_names(lookup(cls)) if caps[cls] else None
     caps["nccl_update_info_elides_metadata"] = (
         update_info_elides_metadata(lookup("NCCLWeightTransferUpdateInfo"))
+        if caps["NCCLWeightTransferUpdateInfo"] else None)
+    caps["nccl_update_info_names_sender"] = (
+        update_info_names_sender(lookup("NCCLWeightTransferUpdateInfo"))
         if caps["NCCLWeightTransferUpdateInfo"] else None)
     caps["weight_source_style"] = (source_style(lookup("WeightSource"))
                                    if caps["WeightSource"] else None)
@@ -422,6 +441,41 @@ def update_info_elides_metadata(update_info_cls: Any) -> bool:
     return all(n in fields and (fields[n].default is not dataclasses.MISSING
                                 or fields[n].default_factory is not dataclasses.MISSING)
                for n in need)
+
+
+def reload_lifecycle(reload_module: Any = None) -> tuple[Any, Any]:
+    """``(start(model), finish(model, model_config, device))``: what a worker-side engine
+    calls around an update. 0.34's ``start_reload`` / ``finish_reload`` where the reload
+    package has them (they honour ``VLLM_RELOAD_MODE`` and set ``weight_update_active()``),
+    else the layerwise pair of 0.26-0.33 (``finish`` then ignores ``device``). Called in
+    vLLM's worker processes (the shm engine), where importing vLLM is fine."""
+    if reload_module is None:
+        reload_module = importlib.import_module("vllm.model_executor.model_loader.reload")
+    start = getattr(reload_module, "start_reload", None)
+    finish = getattr(reload_module, "finish_reload", None)
+    if start is not None and finish is not None:
+        return start, finish
+    layerwise_finish = reload_module.finalize_layerwise_reload
+    return (reload_module.initialize_layerwise_reload,
+            lambda model, model_config, device: layerwise_finish(model, model_config))
+
+
+def mtp_guard():
+    """0.27-0.33's ``disable_mtp_completeness_check()`` (a partial update must not trip
+    the multi-token-prediction completeness check); a no-op where it is gone (0.34: the
+    check reads ``weight_update_active()``, which ``start_reload`` sets)."""
+    try:
+        mod = importlib.import_module("vllm.model_executor.model_loader.mtp_validation")
+        return mod.disable_mtp_completeness_check()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+def update_info_names_sender(update_info_cls: Any) -> bool:
+    """Does this NCCL update-info dataclass name its broadcaster (0.34's ``src``: several
+    trainer ranks, e.g. pipeline stages, each broadcast their own parameters)?"""
+    return dataclasses.is_dataclass(update_info_cls) and any(
+        f.name == "src" for f in dataclasses.fields(update_info_cls))
 
 
 def update_info_as_dict(info: Any) -> dict[str, Any]:

@@ -218,6 +218,10 @@ def test_a_refused_finish_does_not_publish_its_version(session):
     assert got == before, (f"{where(session)}: POST /finish_weight_update {body} was refused "
                            f"(HTTP {r.status_code}), yet GET /weight_info says {got!r}, not "
                            f"{before!r}")
+    # last: the refusal must blame the client (a 5xx is known issue engine-errors-answer-500)
+    assert 400 <= r.status_code < 500, (
+        f"{where(session)}: POST /finish_weight_update without a started update answered "
+        f"HTTP {r.status_code}; a client error must be answered 4xx: {r.text[:300]}")
 
 
 @pytest.mark.layouts("cpu")
@@ -259,6 +263,10 @@ def test_a_failed_or_abandoned_update_does_not_publish_a_version(session):
         f"{where(session)}: an update left open, then finished without a version: GET "
         f"/weight_info said {seen['abandoned_open']!r} while open and "
         f"{seen['abandoned_finished']!r} after, not {before!r}")
+    # last: the refusal must blame the client (a 5xx is known issue engine-errors-answer-500)
+    assert 400 <= seen["failed"][0] < 500, (
+        f"{where(session)}: /update_weights with update_info {{'no_such_field': 1}} answered "
+        f"HTTP {seen['failed'][0]}; a client error must be answered 4xx")
 
 
 # ----------------------------------------------------------------------------- reset

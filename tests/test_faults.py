@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import pytest
 
-from harness import faults, parity
+from harness import client, faults, parity
 from harness.facts import free_port, wait_until
 from harness.pool import State
 from harness.trainer import TrainerError
@@ -322,6 +322,12 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused(session, lie):
     assert_alive(session, f"an update whose info lies about {lie}")
     repair(session)
     assert_parity(session, session.reference())
+    # last: the refusal must blame the client (a 5xx is known issue engine-errors-answer-500)
+    r = client.refusal_in(refused)
+    assert r is not None, f"the refusal of a lie about {lie} carries no HTTP status: {refused}"
+    assert_client_error(faults.Answer(route=r.route, status=r.status, seconds=elapsed,
+                                      body=r.detail),
+                        f"an update info that lies about {lie}")
 
 
 SELFTEST_LIE_SEED = 401

@@ -73,6 +73,13 @@ CHECKS = {
         c, OTHER_PROMPTS, api.styles(), lambda i: _slow_update(s, 20 + i), clients=4, cycles=3,
         max_tokens=60, run_seconds=0.3, request_timeout=8.0, settle_timeout=3.0,
         tolerate_empty_abort=True),
+    # two data-parallel engines, each addressed on its own (X-data-parallel-rank)
+    "every_engine_held": lambda c, api, s: pc.check_every_engine_held_until_resume(
+        c, {"dp0": c.on_dp_rank(0), "dp1": c.on_dp_rank(1)}, PROMPT, style=api.style("keep"),
+        hold_seconds=1.0, max_tokens=16, timeout=8.0),
+    "every_engine_held_hang": lambda c, api, s: pc.check_every_engine_held_until_resume(
+        c, {"dp0": c.on_dp_rank(0), "dp1": c.on_dp_rank(1)}, PROMPT, style=api.style("keep"),
+        hold_seconds=1.0, max_tokens=16, timeout=3.0),
     "abort_reports_finish": lambda c, api, s: pc.check_abort_reports_finish_reason(
         c, api.style("abort"), PROMPT, first=api.style("keep"), hold_seconds=0.5, timeout=10.0),
 }
@@ -86,6 +93,9 @@ BROKEN = [
     ("pause_ignores_new", "weight_update_keep", "did not wait"),
     ("resume_never_releases", "waits_for_resume_hang", "resume did not release them"),
     ("resume_never_releases", "concurrency_hang", "resume did not release generation"),
+    ("pause_spares_dp1", "every_engine_held", r"data-parallel engine dp1 served a request"),
+    ("pause_ignores_new", "every_engine_held", r"data-parallel engine dp\d.* served a request"),
+    ("resume_never_releases", "every_engine_held_hang", "resume did not release every engine"),
     ("keep_aborts", "inflight_keep", r"aborted .*expected frozen"),
     ("keep_ignored", "inflight_keep", r"kept generating while paused|drained .*expected frozen"),
     ("keep_loses_history", "inflight_keep", "not the uninterrupted greedy text"),

@@ -4,11 +4,14 @@ Imported lazily by vLLM's engine factory (see ``shm.register``), never by the
 harness itself. It follows vLLM's own checkpoint-format engines (IPC): layerwise
 reload is initialised in ``start_weight_update`` and finalised in
 ``finish_weight_update``, and each chunk goes through ``model.load_weights``.
+From vLLM 0.34 that lifecycle is ``reload.start_reload`` / ``finish_reload(model,
+model_config, device)`` (the ``VLLM_RELOAD_MODE`` it selects, and the process-wide
+``weight_update_active()`` flag that replaced 0.33's ``disable_mtp_completeness_check``);
+``vllm_api.reload_lifecycle`` takes it where it exists, as 0.34's IPC and NCCL engines do.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+from harness import vllm_api
 
 
 @dataclass
@@ -47,16 +52,6 @@ class ShmWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(
                 f"shm update: names/dtype_names/shapes lengths differ "
                 f"({n}/{len(self.dtype_names)}/{len(self.shapes)})")
-
-
-def _mtp_guard():
-    try:  # vLLM >= 0.27 checks multi-token-prediction completeness on load
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-        return disable_mtp_completeness_check()
-    except ImportError:
-        return contextlib.nullcontext()
 
 
 def _reprocess_tied_modules(model) -> list[str]:
@@ -101,14 +96,12 @@ class ShmWeightTransferEngine(
         self.retained = [] if init_info.retain_updates else None
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        start, _ = vllm_api.reload_lifecycle()
+        start(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        _, finish = vllm_api.reload_lifecycle()
+        finish(self.model, self.model_config, self.device)
         if self.reprocess_tied:
             _reprocess_tied_modules(self.model)
 
@@ -142,7 +135,7 @@ class ShmWeightTransferEngine(
                 weights.append((name, t.to(self.device)))
         if self.retained is not None:
             self.retained.append([t.clone() for _, t in weights])
-        with _mtp_guard():
+        with vllm_api.mtp_guard():
             self.model.load_weights(weights)
 
     def shutdown(self) -> None:

@@ -505,3 +505,51 @@ def check_weight_update_while_held(client: ServerClient, style: PauseStyle,
                       + "; ".join(f"{r.describe()} -> {out['queued'][r.name]}" for r in wrong)
                       + f"\n(in-flight requests: {held})", client)
     return out
+
+
+def check_every_engine_held_until_resume(client: ServerClient, engines: dict[str, ServerClient],
+                                         prompt_ids: Sequence[int], *,
+                                         style: PauseStyle | None = None,
+                                         hold_seconds: float = 3.0, max_tokens: int = 8,
+                                         timeout: float = 60.0) -> dict:
+    """A data-parallel server: ``engines`` maps a name to a client pinned to that engine
+    (``ServerClient.on_dp_rank``). After one /pause (through ``client``), a request to
+    each engine must be held, none served, and /resume must release every one, each
+    with that engine's uninterrupted greedy text; every wait is bounded by
+    ``timeout``. Returns when each came back after /resume."""
+    baseline = {n: greedy(c, prompt_ids, max_tokens, timeout)[0] for n, c in engines.items()}
+    _set_paused_expect(client, False, "before the check")
+    name = style.name if style else "default"
+    if style is None:
+        client.pause(timeout=timeout)
+    else:
+        style.pause(client, timeout=timeout)
+    reqs: dict[str, Rollout] = {}
+    try:
+        reqs = {n: Rollout(prompt_ids, max_tokens, stream=False, timeout=REQ_SLACK * timeout,
+                           name=f"engine {n}").start(c) for n, c in engines.items()}
+        deadline = time.monotonic() + hold_seconds
+        while time.monotonic() < deadline and not any(r.done.is_set() for r in reqs.values()):
+            time.sleep(0.05)
+        early = [n for n, r in reqs.items() if r.done.is_set()]
+        if early:
+            raise failure(f"while paused ({name}), data-parallel engine {', '.join(early)} "
+                          f"served a request sent after /pause: /pause does not hold every "
+                          f"engine\n  " + "\n  ".join(reqs[n].describe() for n in early),
+                          client)
+        _set_paused_expect(client, True, f"{hold_seconds:.1f}s into the pause ({name})")
+    finally:
+        t_resume = time.monotonic()
+        client.resume(timeout=timeout)
+    join_all(list(reqs.values()), timeout, f"requests held by /pause ({name}) on each "
+             "data-parallel engine, after /resume (resume did not release every engine)",
+             client)
+    assert_all_returned(list(reqs.values()), f"requests held by /pause ({name}) on each engine",
+                        client)
+    wrong = [f"engine {n}: {r.describe()}; expected {baseline[n]}" for n, r in reqs.items()
+             if r.token_ids != baseline[n]]
+    if wrong:
+        raise failure("a request held by /pause came back with other text after /resume:\n  "
+                      + "\n  ".join(wrong), client)
+    return {"style": name, "engines": sorted(reqs),
+            "after_resume_s": {n: round(r.done_at - t_resume, 3) for n, r in reqs.items()}}

@@ -357,5 +357,5 @@ def test_cpu_ranks_get_cores_of_their_own(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 4, 6})
     assert cpu_binding(2) == "0,2|4,6"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    with pytest.raises(ServerError, match="2 tensor-parallel CPU ranks need 2 cores, 1 available"):
+    with pytest.raises(ServerError, match="2 parallel CPU ranks need 2 cores, 1 available"):
         cpu_binding(2)

@@ -183,7 +183,7 @@ def test_each_lie_disagrees_with_the_tensors_in_one_way():
         == [("args", 1), ("args", 2)]
     with pytest.raises(ValueError, match="unknown lie"):
         lie_about(info, "colour")
-    assert set(LIES) == {"names", "shapes", "dtypes", "count", "gpu"}
+    assert set(LIES) == {"names", "shapes", "dtypes", "count", "gpu", "rank0-only"}
 
 
 def test_a_lying_client_lies_only_in_update_weights():
@@ -193,6 +193,22 @@ def test_a_lying_client_lies_only_in_update_weights():
     assert liar.start_weight_update() == "start"
     liar.update_weights(_info())
     assert seen[0]["shapes"][0] == [5, 2] and "announced a.weight" in liar.told[0]
+
+
+def test_rank0_only_sends_the_update_to_global_worker_rank_0_alone():
+    """The data- and pipeline-parallel self-tests' damage: vLLM's list form of
+    update_info, the real entry for rank 0, an entry of no tensor for every other rank
+    of every engine (counted by GET /get_world_size)."""
+    seen = []
+    inner = types.SimpleNamespace(update_weights=seen.append, world_size=lambda: 2)
+    liar = LyingClient(inner, "rank0-only")
+    liar.update_weights({**_info(), "path": "/dev/shm/b.safetensors"})
+    assert seen[0][0] == {**_info(), "path": "/dev/shm/b.safetensors"}
+    assert seen[0][1] == {"names": [], "dtype_names": [], "shapes": [],
+                          "path": "/dev/shm/b.safetensors"}
+    assert len(seen[0]) == 2 and "rank 0 only" in liar.told[0]
+    with pytest.raises(ValueError, match="lie about the ranks"):
+        lie_about(_info(), "rank0-only")
 
 
 def test_the_trainers_client_lies_for_one_sync_and_can_hold_an_update_open(capsys):

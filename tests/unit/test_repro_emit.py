@@ -64,7 +64,7 @@ def _load(path: Path):
 BAD_INPUT = [
     (["--vllm-layout", "1gpu-colocted"],
      "--vllm-layout: unknown layout '1gpu-colocted'; known: cpu, 1gpu-colocated, 2gpu-split, "
-     "2gpu-ipc-gpu1, 3gpu-tp2, cpu-tp2"),
+     "2gpu-ipc-gpu1, 3gpu-tp2, cpu-tp2, cpu-dp2, cpu-pp2, 2gpu-dp2, 2gpu-pp2"),
     (["--vllm-backend", "ipc-packd"],
      "--vllm-backend: unknown backend 'ipc-packd'; known: shm, nccl-packed, nccl-unpacked, "
      "ipc-packed, ipc-unpacked"),

@@ -63,7 +63,7 @@ def test_features_reach_the_server_flags():
 def test_the_twin_keeps_mode_and_features_unless_told_otherwise():
     cfg = server_config_for(_case(mode="graphs", features=("fp8",)), "/m")
     twin = twin_config(cfg, "/w")
-    assert (twin.load_format, twin.variant, twin.model) == ("auto", "", "/w")
+    assert (twin.load_format, twin.model) == ("auto", "/w")
     assert twin.mode == "graphs" and twin.quantization == "fp8"
     other = twin_config(cfg, "/w", mode="eager")
     assert other.mode == "eager" and other == twin_config(
