@@ -32,8 +32,11 @@ limit=()
 [ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=30 "$GPU_RUN_SECONDS")
 # --harness-require-gpu: a GPU run whose GPU cases did not run fails. Without it,
 # `-k ipc` on a runner that lost its GPUs ran only the unit tests named *ipc* and passed.
-"${limit[@]}" python3 -m pytest --harness-require-gpu --harness-report "$out/report.json" \
-  --junitxml "$out/junit.xml" --vllm-log-dir "$out/logs" "$@" 2>&1 | tee "$out/pytest.log"
+# --rootdir and the = forms: pytest picks its rootdir from path-like arguments before it
+# knows the plugin's options, so an existing OUT outside the clone must not be one.
+"${limit[@]}" python3 -m pytest --rootdir="$PWD" --harness-require-gpu \
+  --harness-report="$out/report.json" --junitxml="$out/junit.xml" --vllm-log-dir="$out/logs" \
+  "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 tar czf "$out/logs.tgz" -C "$out" logs 2>/dev/null && rm -rf "$out/logs"
 exit "$rc"

@@ -97,6 +97,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             parser.addini(opt.name, opt.help, default=None)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> None:
+    """An option value that is a path outside the project must not move the rootdir."""
+    from .rootdir import anchor
+
+    anchor(early_config, args)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)

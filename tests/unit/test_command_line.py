@@ -66,6 +66,11 @@ def test_gpu_run_requires_the_gpu_cases_to_run(tmp_path):
     argv = seen.read_text().split()
     assert argv[:2] == ["-m", "pytest"] and "--harness-require-gpu" in argv, argv
     assert argv[-2:] == ["-k", "ipc"]
+    # an existing OUT outside the clone must not become pytest's rootdir: the rootdir is
+    # named, and no value of an option stands alone where pytest looks for paths
+    assert f"--rootdir={root}" in argv, argv
+    out = str(tmp_path / "out")
+    assert not any(a.startswith(out) for a in argv), argv
 
 
 # ----------------------------------------------------------------------------- known_issues
