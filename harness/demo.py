@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 from . import parity, settings
+from .backends import SHORTHANDS
 from .cases import DEMO_MODEL
 
 
 # The options it shares with pytest, from the one table (harness.settings.OPTIONS).
 USES = (
-    settings.Use("vllm_backend", default="shm"),
+    settings.Use("vllm_backend", default="shm", shorthands=SHORTHANDS,
+                 why="nccl and ipc mean the packed variants"),
     settings.Use("vllm_model", default=DEMO_MODEL,
                  why="real weights, so that the text after the sync reads as English; the "
                      "tests and harness repro default to llama, a tiny model built in seconds"),

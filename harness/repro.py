@@ -33,7 +33,12 @@ VERDICTS = ("parity", "mismatch", "error")
 EXIT = {"parity": 0, "mismatch": 1, "error": 3}
 EXIT_USAGE = 2
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode, 0.26 to 0.32
-_ALIASES = {"nccl": "nccl-packed", "ipc": "ipc-packed"}
+
+
+def _shorthands() -> dict[str, str]:
+    from .backends import SHORTHANDS
+
+    return SHORTHANDS
 
 EXIT_HELP = """\
 exit status:
@@ -56,7 +61,7 @@ def _uses():
     from .settings import Use
 
     return (
-        Use("vllm_backend", default="shm", shorthands=_ALIASES,
+        Use("vllm_backend", default="shm", shorthands=_shorthands(),
             why="nccl and ipc mean the packed variants"),
         Use("vllm_model", default=REPRO_MODEL,
             why="a tiny model the emitted script rebuilds with vLLM's dependencies alone"),
@@ -401,6 +406,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {', '.join(map(str, written))}: nothing was run; the script expects "
               f"verdict '{expectation.verdict}' ({expectation.basis})")
         return 0
+    from .layouts import gpu_count
+
+    if sc.layout.gpus_needed > gpu_count():  # refused now, not at the sync a minute later
+        print(f"harness repro: layout {sc.layout.name} needs {sc.layout.gpus_needed} GPU(s), "
+              f"{gpu_count()} available", file=sys.stderr)
+        return EXIT_USAGE
     t0 = time.monotonic()
     verdict, explanation, facts = run_scenario(args, sc)
     print(f"\nverdict: {verdict.upper()} ({time.monotonic() - t0:.0f}s)\n{explanation}")

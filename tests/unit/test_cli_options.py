@@ -114,3 +114,24 @@ def test_repro_backend_shorthands_are_the_packed_variants(tmp_path, capsys):
                      "--vllm-backend", "nccl", "--trainer-api", "factory"]) == 0
     assert capsys.readouterr().out.startswith("harness repro: nccl-packed 2gpu-split")
     assert repro.EXIT_USAGE == 2
+
+
+@pytest.mark.parametrize("command", ["demo", "repro"])
+@pytest.mark.parametrize("short,variant", [("nccl", "nccl-packed"), ("ipc", "ipc-packed")])
+def test_demo_and_repro_share_one_backend_vocabulary(command, short, variant, monkeypatch,
+                                                     capsys):
+    """`harness demo --vllm-backend nccl` said "unknown backend" while repro took it.
+    Both take the shorthands; without GPUs both then refuse at once (exit 2, one line),
+    before a server starts: repro used to start one and fail 77 s later at the sync."""
+    from harness import pool
+
+    def no_pool(*a, **kw):
+        raise AssertionError("a server pool was created")
+
+    monkeypatch.setattr(pool, "ServerPool", no_pool)
+    assert cli.main([command, "--vllm-backend", short]) == 2
+    err = capsys.readouterr().err
+    assert "unknown backend" not in err
+    layout = "2gpu-split" if short == "nccl" else "1gpu-colocated"
+    need = 2 if short == "nccl" else 1
+    assert err == f"harness {command}: layout {layout} needs {need} GPU(s), 0 available\n", err
