@@ -23,6 +23,7 @@ import pytest
 
 from . import environment, facts, models
 from . import plan as _plan
+from . import selection as _selection
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
 from .facts import canonical_dtype
@@ -65,6 +66,8 @@ class RunState:
     t0: float = dataclasses.field(default_factory=time.monotonic)
     pool: ServerPool | None = None
     deselected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    dropped: list = dataclasses.field(default_factory=list)  # (reason, item) the harness deselected
+    shortfall: str | None = None  # a selection of GPU cases none of which could run
     items: list = dataclasses.field(default_factory=list)   # items that take a case
     outcomes: dict[str, FlowResult | BaseException] = dataclasses.field(default_factory=dict)
     plan: _plan.Plan | None = None
@@ -248,6 +251,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
         m = item.get_closest_marker("harness_deselect")
         if m is not None:
             state.deselected[m.kwargs["reason"]] += 1
+            state.dropped.append((m.kwargs["reason"], item))
             dropped.append(item)
         else:
             keep.append(item)
@@ -278,9 +282,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if state is None:
         return
     state.items = [it for it in session.items if _case_of(it) is not None]
-    if not state.items:
-        return
     s = state.settings
+    if s.harness_plan:
+        session.config.option.collectonly = True  # the plan is all this run does, always
+    if not state.items:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if s.harness_plan and tr is not None:
+            tr.write_line("weight-sync-harness plan: no server is planned (no selected test "
+                          "takes a case that can run here)")
+        return
     paths: dict[str, str] = {}
     needs = [n for n in (_need(it, s, paths) for it in state.items) if n is not None]
     state.plan = _plan.make_plan(needs, s.host(), max_starting=s.vllm_max_starting,
@@ -296,7 +306,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             for line in _plan.describe(state.plan, state.schedule,
                                        verbose=session.config.option.verbose > 0):
                 tr.write_line(line)
-        session.config.option.collectonly = True  # the plan is all this run does
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -513,10 +522,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     state = config.stash.get(STATE, None)
     if state is None or not (state.items or state.deselected):
         return
+    reasons = _selection.selected(state.dropped, _selection.matcher(config))
+    said = _selection.summary(reasons, len(state.items), _selection.asked(config),
+                              state.settings.gpus())
+    if config.option.verbose > 0:
+        said += _selection.detail(reasons)
+    if not (said or state.pool is not None or state.stop_error or state.shortfall):
+        return
     tr = terminalreporter
     tr.section("weight-sync-harness")
-    for reason, n in sorted(state.deselected.items()):
-        tr.write_line(f"deselected {n}: {reason}")
+    for line in said:
+        tr.write_line(line)
+    if state.shortfall:
+        tr.write_line(state.shortfall, red=True)
     if state.pool is not None:
         f = state.pool.start_figures()
         planned = f" of {len(state.plan.servers)} planned" if state.plan else ""
@@ -544,6 +562,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(STATE, None)
     if state is not None and state.stop_error:  # processes may be left: the run failed
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if (state is not None and not session.config.option.collectonly
+            and not state.settings.harness_allow_no_gpu):
+        state.shortfall = _selection.gpu_shortfall(
+            _selection.selected(state.dropped, _selection.matcher(session.config)),
+            len(state.items), state.settings.gpus(), _selection.asked(session.config))
+        if state.shortfall and session.exitstatus in (pytest.ExitCode.OK,
+                                                      pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if state is None or not state.settings.harness_require_gpu:
         return
     ran = [o for o in state.gpu_cases.values() if o != "skipped"]

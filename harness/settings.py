@@ -303,6 +303,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
            lambda f, v: _flag(f, v)),
+    Option("harness_allow_no_gpu", "a selection that names GPU cases none of which can run "
+           "here (-k ipc on a host without GPUs) passes instead of failing", False,
+           lambda f, v: _flag(f, v)),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -343,6 +346,7 @@ class Settings:
     harness_depth: str | None = None
     harness_require_gpu: bool = False
     harness_trainer_spares: int | None = None
+    harness_allow_no_gpu: bool = False
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
 
