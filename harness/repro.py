@@ -152,6 +152,13 @@ class Scenario:
                              "emitted script starts its own server")
         if args.emit is not None and args.emit.is_dir():
             raise UsageError(f"--emit {args.emit} is a directory; name the script file")
+        if args.emit is not None:  # the rule of every output file (--harness-report's)
+            from .settings import output_file
+
+            try:
+                output_file("--emit", str(args.emit))
+            except SettingsError as e:
+                raise UsageError(str(e)) from None
         self.trainer_api = self._trainer_api(args)
 
     def _trainer_api(self, args: argparse.Namespace) -> str | None:

@@ -166,9 +166,10 @@ def _attention_backend(flag: str, v: str) -> str:
     return v.strip()
 
 
-def _report_path(flag: str, v: str) -> str:
-    """A file the report can be written to: not a directory, in an existing directory
-    this user can write. Checked before the run, not after it."""
+def output_file(flag: str, v: str) -> str:
+    """A file the harness will write (--harness-report, harness repro --emit): not a
+    directory, in an existing directory this user can write; nothing is created.
+    Checked before the run, not after it."""
     p = Path(v).expanduser()
     if not v.strip():
         raise SettingsError(f"{flag}: empty path")
@@ -282,7 +283,7 @@ OPTIONS: tuple[Option, ...] = (
            "sent by every client of the harness, trainers included, as 'Authorization: "
            "Bearer <key>'", None, _text, secret=True, metavar="KEY"),
     Option("harness_report", "write the run's machine-readable JSON report to this file, "
-           "in an existing directory", None, _report_path, metavar="PATH"),
+           "in an existing directory", None, output_file, metavar="PATH"),
     Option("harness_plan", "print the server plan of the selected tests (servers, the "
            "tests on each, starts, expected waves) and run nothing", False,
            lambda f, v: _flag(f, v)),

@@ -135,3 +135,16 @@ def test_demo_and_repro_share_one_backend_vocabulary(command, short, variant, mo
     layout = "2gpu-split" if short == "nccl" else "1gpu-colocated"
     need = 2 if short == "nccl" else 1
     assert err == f"harness {command}: layout {layout} needs {need} GPU(s), 0 available\n", err
+
+
+def test_repro_emit_into_a_missing_directory_is_refused_like_the_report(tmp_path, capsys):
+    """`harness repro --emit /nonexistent/dir/x.py --emit-only` created the directory
+    and exited 0, while --harness-report into a missing directory is refused: one rule
+    for every output file (its directory must exist), one line, exit 2, nothing made."""
+    missing = tmp_path / "nonexistent" / "dir"
+    assert cli.main(["repro", "--emit", str(missing / "x.py"), "--emit-only"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"harness repro: --emit: the directory {missing} does not exist "
+                   "(create it first)\n"), err
+    assert not missing.parent.exists()
+    assert cli.main(["repro", "--emit", str(tmp_path / "x.py"), "--emit-only"]) == 0
