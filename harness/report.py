@@ -338,6 +338,17 @@ def summarize(tests: list[dict]) -> dict:
     }
 
 
+def earlier_run_tests(path: Path) -> int:
+    """How many tests the report at ``path`` holds (0: none there, not a report, or the
+    report of a run that ran nothing, such as a plan)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    tests = data.get("tests") if isinstance(data, dict) else None
+    return len(tests) if isinstance(tests, list) else 0
+
+
 # ----------------------------------------------------------------------------- plugin
 
 class ReportPlugin:
@@ -356,6 +367,7 @@ class ReportPlugin:
         self.probe_cache: str | None = None  # the file the probes' answer came from
         self._start_probes()
         self.write_error: str | None = None
+        self.kept = 0  # tests in an earlier run's report left in place (this run ran none)
 
     # ---------------------------------------------------------------- header line
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
@@ -422,6 +434,11 @@ class ReportPlugin:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.openapi is None:
             self._capture_from_url()
+        if not any(rec.ran() for rec in self.records.values()):
+            earlier = earlier_run_tests(self.path)
+            if earlier:  # a collect-only or plan run must not blank a real run's report
+                self.kept = earlier
+                return
         self._write(self.build(int(exitstatus)))
 
     def _write(self, report: dict) -> None:
@@ -435,6 +452,11 @@ class ReportPlugin:
         if self.write_error:
             terminalreporter.write_line(f"harness report: rewriting it after a test failed "
                                         f"({self.write_error}); the final write below is whole")
+        if self.kept:
+            terminalreporter.write_line(f"harness report: not written: no test ran, and "
+                                        f"{self.path} holds an earlier run's report "
+                                        f"({self.kept} tests); kept")
+            return
         terminalreporter.write_line(f"harness report written to {self.path}")
 
     def header(self, exitstatus: int | None) -> dict:
