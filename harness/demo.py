@@ -166,6 +166,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # SettingsError is one
         print(f"harness demo: {e}", file=sys.stderr)
         return 2
+    from .models import classify_model, hub_unavailable
+
+    kind, ref = classify_model(args.vllm_model)
+    why = hub_unavailable(ref) if kind == "hub" else None
+    if why:  # refused now, not by a Hugging Face traceback after the server started
+        print(f"harness demo: --vllm-model: {why}", file=sys.stderr)
+        return 2
     layout = case.layout
     if layout.gpus_needed > gpu_count():
         print(f"harness demo: layout {layout.name} needs {layout.gpus_needed} GPU(s), "

@@ -414,7 +414,12 @@ def run(args: argparse.Namespace) -> int:
               f"verdict '{expectation.verdict}' ({expectation.basis})")
         return 0
     from .layouts import gpu_count
+    from .models import hub_unavailable
 
+    why = hub_unavailable(sc.model_ref) if sc.model_kind == "hub" else None
+    if why:  # refused now, not by a Hugging Face traceback after the server started
+        print(f"harness repro: --vllm-model: {why}", file=sys.stderr)
+        return EXIT_USAGE
     if sc.layout.gpus_needed > gpu_count():  # refused now, not at the sync a minute later
         print(f"harness repro: layout {sc.layout.name} needs {sc.layout.gpus_needed} GPU(s), "
               f"{gpu_count()} available", file=sys.stderr)
