@@ -38,8 +38,19 @@ def test_reaper_dry_run_lists_and_stops_nothing(reaper_calls, capsys):
     assert reaper.main(["--dry-run"]) == 0
     assert capsys.readouterr().out.startswith("would stop pid 1 (vllm;")
     assert reaper_calls == ["find"]
+
+
+def test_reaper_without_an_option_is_a_dry_run_and_yes_reaps(reaper_calls, capsys):
+    """`python -m harness.reaper` with no option reaped at once: it lists now, and
+    stops only with --yes (or --kill)."""
     assert reaper.main([]) == 0
-    assert reaper_calls == ["find", "find", "reap"]
+    out = capsys.readouterr().out
+    assert out.startswith("would stop pid 1 (vllm;") and "--yes stops them" in out, out
+    assert reaper_calls == ["find"]
+    for flag in ("--yes", "--kill"):
+        assert reaper.main([flag]) == 0
+        assert capsys.readouterr().out.startswith("stopping pid 1 (vllm;")
+    assert reaper_calls == ["find", "find", "reap", "find", "reap"]
 
 
 # ----------------------------------------------------------------------------- ci/gpu-run.sh
