@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shm, also PATH's stem + _shm_engine.py next to it)")
     p.add_argument("--trainer-api", default=None, metavar="API",
                    help="nccl and ipc: the vLLM trainer API the emitted script holds (factory: "
-                        "vLLM 0.27.1+ for IPC, 0.32+ for NCCL; static: 0.26); default: the one "
+                        "vLLM 0.27.1+ for IPC, 0.28.0+ for NCCL; static: 0.26); default: the one "
                         "of the vLLM installed here")
     p.add_argument("--emit-only", action="store_true",
                    help="with --emit: write the script without running anything (it expects "
