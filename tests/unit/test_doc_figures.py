@@ -67,3 +67,13 @@ def test_the_readme_two_gpu_nccl_plan_figures_are_the_plan():
     plan = json.loads(out.read_text())["plan"]
     assert (int(m.group(1)), int(m.group(2))) == (plan["tests"], len(plan["servers"])), (
         "README states", m.group(0), "the plan today", plan["tests"], len(plan["servers"]))
+
+
+def test_the_readme_gpu_section_says_which_python_gpu_run_uses():
+    """The README's GPU section ran `bash ci/gpu-run.sh` without saying that it uses the
+    first python3 on PATH and may `pip install -e .` into it (only the CI section said)."""
+    script = (ROOT / "ci" / "gpu-run.sh").read_text()
+    assert "python3 -m pytest" in script and "python3 -m pip install" in script
+    text = (ROOT / "README.md").read_text()
+    gpu = text.split("## On a GPU machine", 1)[1].split("\n## ", 1)[0]
+    assert "first `python3` on `PATH`" in gpu and "pip install" in gpu and "-e ." in gpu, gpu
