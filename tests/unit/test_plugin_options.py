@@ -388,3 +388,18 @@ def test_pinned_tests_the_options_left_out_are_one_line(project):
     assert len(said) <= 3, said
     assert sum("pinned to" in ln for ln in said) == 1, said
     assert "4 test(s) pinned to what the options did not select" in " ".join(said), said
+
+
+def test_what_the_depth_line_promises_full_depth_runs(project):
+    """The summary's '--harness-depth full runs them' holds: at full depth the cases it
+    counted are selected (ten such lines of `-k ipc` named cases -k had dropped)."""
+    project.makepyfile(test_opt="import pytest\n\n@pytest.mark.models('opt')\n"
+                       "@pytest.mark.dtypes('float32', 'bfloat16')\ndef test_o(case):\n    pass\n")
+    quick = _section(project.runpytest("--collect-only", "-q", "-k", "shm and test_o",
+                                         "--vllm-layout", "cpu"))
+    assert quick[0].startswith("2 case(s) in the selection (-k 'shm and test_o'): 1 run here"), quick
+    assert "1 beyond --harness-depth quick (--harness-depth full runs them)" in quick[1], quick
+    full = project.runpytest("--collect-only", "-q", "-k", "shm and test_o", "--vllm-layout", "cpu",
+                            "--harness-depth", "full")
+    assert "test_opt.py::test_o[shm-cpu-bf16-opt]" in full.stdout.str()
+    assert _section(full) == [], _section(full)
