@@ -562,7 +562,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(STATE, None)
     if state is not None and state.stop_error:  # processes may be left: the run failed
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if (state is not None and not session.config.option.collectonly
+    if (state is not None and state.dropped and not session.config.option.collectonly
             and not state.settings.harness_allow_no_gpu):
         state.shortfall = _selection.gpu_shortfall(
             _selection.selected(state.dropped, _selection.matcher(session.config)),

@@ -18,6 +18,7 @@ pytest release renames them, the run stops with one line saying how to avoid the
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,8 @@ def anchor(config: pytest.Config, args: list[str]) -> bool:
     config._parser.extra_info["rootdir"] = str(rootpath)
     config._parser.extra_info["inifile"] = str(inipath)
     args[:] = list(config.getini("addopts")) + args
-    config.known_args_namespace = ns = config._parser.parse_known_args(args)
+    config.known_args_namespace = ns = config._parser.parse_known_args(
+        args, namespace=copy.copy(config.option))
     ns.confcutdir = str(inipath.parent)
     # what addopts sets through -o or flags such as --strict-markers (ini overrides)
     for key, value in _overrides(getattr(ns, "override_ini", None)).items():

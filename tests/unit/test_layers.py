@@ -103,7 +103,8 @@ FLOORS = [
                "harness.diff", "harness.matrix", "harness.bench", "harness.benchfile",
                "harness.rawlimit", "harness.bench_run", "harness.bench_view",
                "harness.diff_reports", "harness.diff_render", "harness.diff_bench",
-               "harness.diff_common", "harness.known_issues_verify"}),
+               "harness.diff_common", "harness.known_issues_verify", "harness.rootdir",
+               "harness.selection"}),
 ]
 ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
                .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
