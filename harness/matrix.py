@@ -189,9 +189,26 @@ def _capabilities(runs: list[tuple[str, dict]]) -> list[list[str]]:
                                              .get("modes") or []) or "-" for _, r in runs])
     for engine in ("nccl", "ipc"):
         rows.append([f"trainer API ({engine})"] + [
-            str(((r.get("capabilities") or {}).get("trainer_api") or {}).get(f"{engine}_path")
-                or "-") for _, r in runs])
+            trainer_api_cell((r.get("capabilities") or {}).get("trainer_api") or {}, engine)
+            for _, r in runs])
     return rows
+
+
+def trainer_api_cell(trainer_api: dict, engine: str) -> str:
+    """The probed trainer API of ``engine``; where the probe gave no answer, "?" and
+    why (a probe that timed out says nothing about the release: "-" would read as
+    "absent"); "-" only where the report has no probe at all."""
+    path = trainer_api.get(f"{engine}_path")
+    if path:
+        return str(path)
+    error = str(trainer_api.get("error") or "")
+    if not error:
+        return "-"
+    if re.search(r"timed out|TimeoutExpired|had not finished", error):
+        return "? (timed out)"
+    if "disabled" in error:
+        return "? (not probed)"
+    return "? (probe failed)"
 
 
 def render(runs: list[tuple[str, dict]]) -> str:

@@ -223,6 +223,46 @@ def unavailable(model: str) -> str | None:
     return None
 
 
+def _hub_cache_dir() -> Path:
+    env = os.environ
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache",
+                                              "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_unavailable(repo_id: str, timeout: float = 10.0) -> str | None:
+    """Why hub id ``repo_id`` cannot be had here (None: its config.json is in the local
+    Hugging Face cache, or the hub answers for it), in one line, before anything is
+    started. Asks the hub once, with a short timeout, only when it is not cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return "huggingface_hub is not installed, so a hub id cannot be fetched"
+    got = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache_dir())
+    if isinstance(got, str):
+        return None
+    offline = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _truthy(os.environ.get(v))]
+    if offline:
+        return (f"{repo_id} is not in the Hugging Face cache and the hub is off "
+                f"({offline[0]}); pass a local model directory or a zoo model")
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().model_info(repo_id, timeout=timeout)
+    except Exception as e:  # not found, gated, no network: all end the same way
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return (f"{repo_id} is not in the Hugging Face cache and the hub does not serve it "
+                f"({type(e).__name__}: {first[:160]}); pass a local model directory or a "
+                "zoo model")
+    return None
+
+
 def build_into(final: Path, build) -> Path:
     """Run ``build(tmp)`` in a temporary sibling of ``final`` and rename it into place:
     a crash or a concurrent builder never leaves a half-written directory behind."""

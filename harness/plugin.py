@@ -23,6 +23,7 @@ import pytest
 
 from . import environment, facts, models, parallel
 from . import plan as _plan
+from . import selection as _selection
 from . import settings as _settings
 from .cases import Case, build_cases, server_config_for, twin_config
 from .facts import canonical_dtype
@@ -65,6 +66,9 @@ class RunState:
     t0: float = dataclasses.field(default_factory=time.monotonic)
     pool: ServerPool | None = None
     deselected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    dropped: list = dataclasses.field(default_factory=list)  # (reason, item) the harness deselected
+    shortfall: str | None = None  # a selection of GPU cases none of which could run
+    case_count: int = 0           # the cases the selection kept (every worker's)
     items: list = dataclasses.field(default_factory=list)   # items that take a case
     outcomes: dict[str, FlowResult | BaseException] = dataclasses.field(default_factory=dict)
     plan: _plan.Plan | None = None
@@ -100,6 +104,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         else:
             group.addoption(opt.flag, default=None, help=f"{opt.help} ({where})")
             parser.addini(opt.name, opt.help, default=None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> None:
+    """An option value that is a path outside the project must not move the rootdir."""
+    from .rootdir import anchor
+
+    anchor(early_config, args)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -308,6 +320,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
         m = item.get_closest_marker("harness_deselect")
         if m is not None:
             state.deselected[m.kwargs["reason"]] += 1
+            state.dropped.append((m.kwargs["reason"], item))
             dropped.append(item)
         else:
             keep.append(item)
@@ -349,11 +362,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     state = session.config.stash.get(STATE, None)
     if state is None:
         return
+    # every case the selection kept, then (a worker side by side) the ones it runs
+    state.case_count = sum(1 for it in session.items if _case_of(it) is not None)
     state.items = [it for it in session.items if _case_of(it) is not None
                    and (state.own is None or it.nodeid in state.own)]
-    if not state.items and state.partition is None:
-        return
     s = state.settings
+    if s.harness_plan:
+        session.config.option.collectonly = True  # the plan is all this run does, always
+    if not state.items:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if s.harness_plan and tr is not None:
+            tr.write_line("weight-sync-harness plan: no server is planned (no selected test "
+                          "takes a case that can run here)")
+        return
     paths: dict[str, str] = {}
     needs = [n for n in (_need(it, s, paths) for it in state.items) if n is not None]
     share = parallel.worker(session.config)
@@ -382,7 +403,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 for line in parallel.describe(state.partition, every, host,
                                               sum(1 for x in every if x is None)):
                     tr.write_line(line)
-        session.config.option.collectonly = True  # the plan is all this run does
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -602,16 +622,35 @@ def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[
     ]
 
 
+def _said(config: pytest.Config, state: RunState) -> list[str]:
+    """What the selection asked for and what can run here, in at most three lines."""
+    reasons = _selection.selected(state.dropped, _selection.matcher(config))
+    said = _selection.summary(reasons, state.case_count, _selection.asked(config),
+                              state.settings.gpus())
+    if config.option.verbose > 0:
+        said += _selection.detail(reasons)
+    return said
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is None or not (state.items or state.deselected or state.worker_outputs):
         return
+    said, shortfall = _said(config, state), state.shortfall
+    if state.worker_outputs:  # side by side: the workers saw the selection
+        first = next(iter(sorted(state.worker_outputs.items())))[1]
+        said = first.get("said") or []
+        shortfall = next((o["shortfall"] for o in state.worker_outputs.values()
+                          if o.get("shortfall")), None)
+    if not (said or state.pool is not None or state.stop_error or shortfall
+            or state.worker_outputs):
+        return
     tr = terminalreporter
     tr.section("weight-sync-harness")
-    deselected = state.deselected or collections.Counter(
-        next(iter(state.worker_outputs.values()), {}).get("deselected") or {})
-    for reason, n in sorted(deselected.items()):
-        tr.write_line(f"deselected {n}: {reason}")
+    for line in said:
+        tr.write_line(line)
+    if shortfall:
+        tr.write_line(shortfall, red=True)
     pool = state.pool
     planned = len(state.plan.servers) if state.plan else None
     if pool is None and state.worker_outputs:
@@ -648,23 +687,33 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(STATE, None)
-    if state is not None and hasattr(session.config, "workeroutput"):
-        session.config.workeroutput.setdefault("harness", {}).update(
-            parallel.worker_output(state))
-    if state is not None and not hasattr(session.config, "workerinput"):
+    if state is None:
+        return
+    config = session.config
+    if state.dropped and not config.option.collectonly and not state.settings.harness_allow_no_gpu:
+        state.shortfall = _selection.gpu_shortfall(
+            _selection.selected(state.dropped, _selection.matcher(config)),
+            state.case_count, state.settings.gpus(), _selection.asked(config))
+    if hasattr(config, "workeroutput"):  # a worker: what the controller reports
+        config.workeroutput.setdefault("harness", {}).update(
+            parallel.worker_output(state), said=_said(config, state), shortfall=state.shortfall)
+    else:
         parallel.remove_controller_dir()
-    if state is not None and state.worker_outputs:  # the controller: what the workers saw
-        for o in state.worker_outputs.values():
-            state.gpu_cases.update(o.get("gpu_cases") or {})
-            if o.get("stop_error"):
-                state.stop_error = "\n".join(filter(None, (state.stop_error, o["stop_error"])))
-    if state is not None and state.stop_error:  # processes may be left: the run failed
+    for o in state.worker_outputs.values():  # the controller: what the workers saw
+        state.gpu_cases.update(o.get("gpu_cases") or {})
+        state.shortfall = state.shortfall or o.get("shortfall")
+        if o.get("stop_error"):
+            state.stop_error = "\n".join(filter(None, (state.stop_error, o["stop_error"])))
+    if state.stop_error:  # processes may be left: the run failed
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if state is None or not state.settings.harness_require_gpu:
+    if state.shortfall and session.exitstatus in (pytest.ExitCode.OK,
+                                                  pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if not state.settings.harness_require_gpu:
         return
     ran = [o for o in state.gpu_cases.values() if o != "skipped"]
     if not ran:
-        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        tr = config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:
             tr.write_line(f"--harness-require-gpu: {len(state.gpu_cases)} GPU case(s) selected, "
                           "none ran", red=True)

@@ -18,7 +18,8 @@ lists the processes, of this user, whose tag names an owner that no longer exist
 whose owner is alive (another run going on beside this one), is never touched.
 
 The server pool reaps when it is created, so the next run cleans up after a killed
-one; ``python -m harness.reaper [--dry-run]`` does the same by hand. Scratch
+one; ``python -m harness.reaper`` lists what it would stop, and ``--yes`` stops it, by
+hand. Scratch
 directories that trainers keep on tmpfs are named after their owner too and are
 removed with it.
 
@@ -186,7 +187,8 @@ def remove_orphan_scratch() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.reaper [--dry-run]``: list (and stop) orphans of dead runs."""
+    """``python -m harness.reaper [--yes]``: list orphans of dead runs; stop them with
+    --yes (or --kill)."""
     from .facts import command_parser
 
     p = command_parser(
@@ -195,17 +197,25 @@ def main(argv: list[str] | None = None) -> int:
                     f"whose {OWNER_ENV} tag names a run that no longer exists, and their "
                     "scratch directories. Processes without the tag, or of a live run, are "
                     "never touched.")
+    p.add_argument("--yes", "--kill", dest="act", action="store_true",
+                   help="stop the orphans (without it, they are only listed)")
     p.add_argument("--dry-run", action="store_true",
-                   help="list the orphans, stop nothing")
+                   help="list the orphans, stop nothing (the default; kept for scripts)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # --help (0) or a bad argument (2, said on stderr)
         return int(e.code or 0)
+    if args.act and args.dry_run:
+        print("python -m harness.reaper: --yes and --dry-run contradict each other",
+              file=sys.stderr)
+        return 2
     orphans = find_orphans()
     for o in orphans:
-        print(("would stop " if args.dry_run else "stopping ") + o.describe())
-    if orphans and not args.dry_run:
+        print(("stopping " if args.act else "would stop ") + o.describe())
+    if orphans and args.act:
         reap(orphans)
+    elif orphans:
+        print(f"{len(orphans)} orphan(s) listed, none stopped: --yes stops them")
     if not orphans:
         print("no orphaned harness processes")
     return 0

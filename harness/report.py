@@ -338,6 +338,17 @@ def summarize(tests: list[dict]) -> dict:
     }
 
 
+def earlier_run_tests(path: Path) -> int:
+    """How many tests the report at ``path`` holds (0: none there, not a report, or the
+    report of a run that ran nothing, such as a plan)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    tests = data.get("tests") if isinstance(data, dict) else None
+    return len(tests) if isinstance(tests, list) else 0
+
+
 # ----------------------------------------------------------------------------- plugin
 
 class ReportPlugin:
@@ -361,6 +372,7 @@ class ReportPlugin:
         if not worker:
             self._start_probes()
         self.write_error: str | None = None
+        self.kept = 0  # tests in an earlier run's report left in place (this run ran none)
 
     # ---------------------------------------------------------------- header line
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
@@ -440,6 +452,11 @@ class ReportPlugin:
                 "openapi": self.openapi, "openapi_source": self.openapi_source,
                 "openapi_error": self.openapi_error, "known_issues": self.known_issues()})
             return
+        if not any(rec.ran() for rec in self.records.values()):
+            earlier = earlier_run_tests(self.path)
+            if earlier:  # a collect-only or plan run must not blank a real run's report
+                self.kept = earlier
+                return
         for part in self._worker_parts():
             if self.openapi is None and part.get("openapi"):
                 self.openapi, self.openapi_source = part["openapi"], part["openapi_source"]
@@ -457,6 +474,11 @@ class ReportPlugin:
         if self.write_error:
             terminalreporter.write_line(f"harness report: rewriting it after a test failed "
                                         f"({self.write_error}); the final write below is whole")
+        if self.kept:
+            terminalreporter.write_line(f"harness report: not written: no test ran, and "
+                                        f"{self.path} holds an earlier run's report "
+                                        f"({self.kept} tests); kept")
+            return
         terminalreporter.write_line(f"harness report written to {self.path}")
 
     def header(self, exitstatus: int | None) -> dict:

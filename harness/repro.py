@@ -33,7 +33,12 @@ VERDICTS = ("parity", "mismatch", "error")
 EXIT = {"parity": 0, "mismatch": 1, "error": 3}
 EXIT_USAGE = 2
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode, 0.26 to 0.32
-_ALIASES = {"nccl": "nccl-packed", "ipc": "ipc-packed"}
+
+
+def _shorthands() -> dict[str, str]:
+    from .backends import SHORTHANDS
+
+    return SHORTHANDS
 
 EXIT_HELP = """\
 exit status:
@@ -56,7 +61,7 @@ def _uses():
     from .settings import Use
 
     return (
-        Use("vllm_backend", default="shm", shorthands=_ALIASES,
+        Use("vllm_backend", default="shm", shorthands=_shorthands(),
             why="nccl and ipc mean the packed variants"),
         Use("vllm_model", default=REPRO_MODEL,
             why="a tiny model the emitted script rebuilds with vLLM's dependencies alone"),
@@ -92,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shm, also PATH's stem + _shm_engine.py next to it)")
     p.add_argument("--trainer-api", default=None, metavar="API",
                    help="nccl and ipc: the vLLM trainer API the emitted script holds (factory: "
-                        "vLLM 0.27.1+ for IPC, 0.32+ for NCCL; static: 0.26); default: the one "
+                        "vLLM 0.27.1+ for IPC, 0.28.0+ for NCCL; static: 0.26); default: the one "
                         "of the vLLM installed here")
     p.add_argument("--emit-only", action="store_true",
                    help="with --emit: write the script without running anything (it expects "
@@ -147,6 +152,13 @@ class Scenario:
                              "emitted script starts its own server")
         if args.emit is not None and args.emit.is_dir():
             raise UsageError(f"--emit {args.emit} is a directory; name the script file")
+        if args.emit is not None:  # the rule of every output file (--harness-report's)
+            from .settings import output_file
+
+            try:
+                output_file("--emit", str(args.emit))
+            except SettingsError as e:
+                raise UsageError(str(e)) from None
         self.trainer_api = self._trainer_api(args)
 
     def _trainer_api(self, args: argparse.Namespace) -> str | None:
@@ -401,6 +413,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {', '.join(map(str, written))}: nothing was run; the script expects "
               f"verdict '{expectation.verdict}' ({expectation.basis})")
         return 0
+    from .layouts import gpu_count
+    from .models import hub_unavailable
+
+    why = hub_unavailable(sc.model_ref) if sc.model_kind == "hub" else None
+    if why:  # refused now, not by a Hugging Face traceback after the server started
+        print(f"harness repro: --vllm-model: {why}", file=sys.stderr)
+        return EXIT_USAGE
+    if sc.layout.gpus_needed > gpu_count():  # refused now, not at the sync a minute later
+        print(f"harness repro: layout {sc.layout.name} needs {sc.layout.gpus_needed} GPU(s), "
+              f"{gpu_count()} available", file=sys.stderr)
+        return EXIT_USAGE
     t0 = time.monotonic()
     verdict, explanation, facts = run_scenario(args, sc)
     print(f"\nverdict: {verdict.upper()} ({time.monotonic() - t0:.0f}s)\n{explanation}")

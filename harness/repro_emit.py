@@ -113,7 +113,7 @@ def installed_trainer_api(engine: str) -> str:
 
 @functools.cache
 def _probe_trainer_api(engine: str) -> str:
-    other = ("name the API the script should hold: factory (vLLM 0.27.1+ for IPC, 0.32+ for "
+    other = ("name the API the script should hold: factory (vLLM 0.27.1+ for IPC, 0.28.0+ for "
              "NCCL) or static (0.26)")
     if importlib.util.find_spec("vllm") is None:
         raise EmitError(f"vLLM is not installed here to tell which trainer API {engine} takes; "

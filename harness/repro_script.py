@@ -26,7 +26,7 @@ ray, or pass --stub-ray.
 [end]
 [region nccl]
 [region factory]
-Step 6 takes vLLM's factory trainer API for NCCL (0.32+), trainer_init(NCCLTrainerInitInfo)
+Step 6 takes vLLM's factory trainer API for NCCL (0.28.0+), trainer_init(NCCLTrainerInitInfo)
 + send_weights(); the script stops on a release without it.
 [end]
 [region static]

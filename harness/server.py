@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,10 @@ class VLLMServer:
         self.version: str | None = None
         self._attached = False
         self._log_mark = 0
+        # stop() may be called from two threads at once (the pool's stop_all on a
+        # booting server while the start it cut short stops it too): one stops the
+        # tree, the other waits for it and finds nothing left to stop
+        self._stop_lock = threading.Lock()
 
     # ------------------------------------------------------------------ attach
     @classmethod
@@ -356,7 +361,8 @@ class VLLMServer:
     def exit_code(self) -> int | None:
         """The API server's exit status once it has exited by itself; None while it
         runs (or when the harness stopped it, or for an attached server)."""
-        return None if self._attached or self.proc is None else self.proc.poll()
+        proc = self.proc
+        return None if self._attached or proc is None else proc.poll()
 
     def pids(self) -> list[int]:
         """The process tree's ids (API server, engine core, workers); [] if attached."""
@@ -368,22 +374,33 @@ class VLLMServer:
                 return self._healthy()
             except requests.RequestException:
                 return False
-        return self.proc is not None and self.proc.poll() is None
+        proc = self.proc
+        return proc is not None and proc.poll() is None
 
     # ------------------------------------------------------------------ stop
     def _tree(self) -> list:
         # Where the API server is gone (it died), its engine core and workers, now
         # orphans, are still in its process group.
-        return [] if self.proc is None else tree_processes(self.proc.pid, orphans=True)
+        proc = self.proc
+        return [] if proc is None else tree_processes(proc.pid, orphans=True)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """TERM the process group, wait, KILL what is left, then verify nothing is."""
+        """TERM the process group, wait, KILL what is left, then verify nothing is.
+        Idempotent and thread-safe: a second caller waits for the first and returns."""
+        with self._stop_lock:
+            proc = self.proc  # taken once: nobody else sets it None while we hold the lock
+            if self._attached or proc is None:
+                return
+            try:
+                self._stop_tree(proc, timeout)
+            finally:
+                self.proc = None
+
+    def _stop_tree(self, proc: subprocess.Popen, timeout: float) -> None:
         import psutil
 
-        if self._attached or self.proc is None:
-            return
         procs = self._tree()
-        pgid = self.proc.pid
+        pgid = proc.pid
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in reversed(procs):  # leaves first
                 try:
@@ -399,11 +416,16 @@ class VLLMServer:
                 break
             procs = alive
         try:
-            self.proc.wait(timeout=5)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        self.proc = None
+        left = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                pass
         if left:
             raise ServerError(f"processes left after stopping the server: "
                               f"{[(p.pid, p.name()) for p in left]}")

@@ -175,9 +175,10 @@ def _attention_backend(flag: str, v: str) -> str:
     return v.strip()
 
 
-def _report_path(flag: str, v: str) -> str:
-    """A file the report can be written to: not a directory, in an existing directory
-    this user can write. Checked before the run, not after it."""
+def output_file(flag: str, v: str) -> str:
+    """A file the harness will write (--harness-report, harness repro --emit): not a
+    directory, in an existing directory this user can write; nothing is created.
+    Checked before the run, not after it."""
     p = Path(v).expanduser()
     if not v.strip():
         raise SettingsError(f"{flag}: empty path")
@@ -291,7 +292,7 @@ OPTIONS: tuple[Option, ...] = (
            "sent by every client of the harness, trainers included, as 'Authorization: "
            "Bearer <key>'", None, _text, secret=True, metavar="KEY"),
     Option("harness_report", "write the run's machine-readable JSON report to this file, "
-           "in an existing directory", None, _report_path, metavar="PATH"),
+           "in an existing directory", None, output_file, metavar="PATH"),
     Option("harness_plan", "print the server plan of the selected tests (servers, the "
            "tests on each, starts, expected waves) and run nothing", False,
            lambda f, v: _flag(f, v)),
@@ -314,6 +315,9 @@ OPTIONS: tuple[Option, ...] = (
            metavar="N"),
     Option("harness_require_gpu", "fail the run when no GPU is visible, or when GPU cases "
            "were selected and none of them ran (a runner that lost its GPUs)", False,
+           lambda f, v: _flag(f, v)),
+    Option("harness_allow_no_gpu", "a selection that names GPU cases none of which can run "
+           "here (-k ipc on a host without GPUs) passes instead of failing", False,
            lambda f, v: _flag(f, v)),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
@@ -356,6 +360,7 @@ class Settings:
     harness_shard: tuple[int, int] | None = None
     harness_require_gpu: bool = False
     harness_trainer_spares: int | None = None
+    harness_allow_no_gpu: bool = False
     explicit: frozenset[str] = frozenset()  # options the user set (not defaults)
     sources: tuple[tuple[str, str], ...] = ()  # (option, where its value came from)
 

@@ -41,6 +41,11 @@ VARIANTS: dict[str, BackendVariant] = {v.id: v for v in [
 ]}
 
 
+# The words the harness commands take for a variant, besides its id: an engine's name
+# alone means its packed variant (harness demo and harness repro alike).
+SHORTHANDS: dict[str, str] = {"nccl": "nccl-packed", "ipc": "ipc-packed"}
+
+
 def variant(name: str) -> BackendVariant:
     try:
         return VARIANTS[name]

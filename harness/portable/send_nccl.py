@@ -21,7 +21,7 @@ def rendezvous(client: Any, device: str) -> dict[str, Any]:
 
 
 def send_nccl(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM's factory trainer API (0.32+): its trainer engine calls the routes on ``client``."""
+    """vLLM's factory trainer API (0.28.0+): its trainer engine calls the routes on ``client``."""
     device = sc["trainer_device"]
     info = engine_module("nccl").NCCLTrainerInitInfo(rank=0, packed=sc["packed"],
                                                      **rendezvous(client, device))

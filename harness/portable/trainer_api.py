@@ -1,7 +1,7 @@
 """The trainer API (factory or static) the installed vLLM offers.
 
 A script holds one of the two APIs, the one of the release it was emitted for: the
-factory's stateful trainer engine (0.27.1+ for IPC, 0.32+ for NCCL), which calls the
+factory's stateful trainer engine (0.27.1+ for IPC, 0.28.0+ for NCCL), which calls the
 weight-sync routes itself, or the static helpers of 0.26, with the routes called by the
 script. The release decides by what its code offers, not by its version number, as in
 harness/vllm_api.py (the harness's own view of this)."""
@@ -15,7 +15,7 @@ from typing import Any
 
 from harness.portable.base import Unusable, vllm_version
 
-RELEASES = {"factory": "vLLM 0.27.1+ for IPC, 0.32+ for NCCL", "static": "vLLM 0.26"}
+RELEASES = {"factory": "vLLM 0.27.1+ for IPC, 0.28.0+ for NCCL", "static": "vLLM 0.26"}
 
 
 def _wt(module: str):

@@ -114,3 +114,70 @@ def test_repro_backend_shorthands_are_the_packed_variants(tmp_path, capsys):
                      "--vllm-backend", "nccl", "--trainer-api", "factory"]) == 0
     assert capsys.readouterr().out.startswith("harness repro: nccl-packed 2gpu-split")
     assert repro.EXIT_USAGE == 2
+
+
+@pytest.mark.parametrize("command", ["demo", "repro"])
+@pytest.mark.parametrize("short,variant", [("nccl", "nccl-packed"), ("ipc", "ipc-packed")])
+def test_demo_and_repro_share_one_backend_vocabulary(command, short, variant, monkeypatch,
+                                                     capsys):
+    """`harness demo --vllm-backend nccl` said "unknown backend" while repro took it.
+    Both take the shorthands; without GPUs both then refuse at once (exit 2, one line),
+    before a server starts: repro used to start one and fail 77 s later at the sync."""
+    from harness import pool
+
+    def no_pool(*a, **kw):
+        raise AssertionError("a server pool was created")
+
+    monkeypatch.setattr(pool, "ServerPool", no_pool)
+    assert cli.main([command, "--vllm-backend", short]) == 2
+    err = capsys.readouterr().err
+    assert "unknown backend" not in err
+    layout = "2gpu-split" if short == "nccl" else "1gpu-colocated"
+    need = 2 if short == "nccl" else 1
+    assert err == f"harness {command}: layout {layout} needs {need} GPU(s), 0 available\n", err
+
+
+def test_repro_emit_into_a_missing_directory_is_refused_like_the_report(tmp_path, capsys):
+    """`harness repro --emit /nonexistent/dir/x.py --emit-only` created the directory
+    and exited 0, while --harness-report into a missing directory is refused: one rule
+    for every output file (its directory must exist), one line, exit 2, nothing made."""
+    missing = tmp_path / "nonexistent" / "dir"
+    assert cli.main(["repro", "--emit", str(missing / "x.py"), "--emit-only"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"harness repro: --emit: the directory {missing} does not exist "
+                   "(create it first)\n"), err
+    assert not missing.parent.exists()
+    assert cli.main(["repro", "--emit", str(tmp_path / "x.py"), "--emit-only"]) == 0
+
+
+def _hub_cache(root, repo_id):
+    """A Hugging Face cache holding ``repo_id``'s config.json, as huggingface_hub lays it out."""
+    d = root / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (d / "refs").mkdir(parents=True)
+    (d / "refs" / "main").write_text("abc")
+    (d / "snapshots" / "abc").mkdir(parents=True)
+    (d / "snapshots" / "abc" / "config.json").write_text("{}")
+
+
+@pytest.mark.parametrize("command", ["repro", "demo"])
+def test_a_hub_id_that_cannot_be_fetched_is_refused_before_anything_starts(
+        command, tmp_path, monkeypatch, capsys):
+    """`harness repro --vllm-model org/name` without hub access started a server and
+    failed 44 s later with a Hugging Face traceback: one line, exit 2, nothing started.
+    A hub id in the local cache is taken offline."""
+    from harness import models, pool
+
+    def no_pool(*a, **kw):
+        raise AssertionError("a server pool was created")
+
+    monkeypatch.setattr(pool, "ServerPool", no_pool)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main([command, "--vllm-model", "org/name"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harness {command}: --vllm-model: org/name is not in the Hugging "
+                          "Face cache and the hub is off (HF_HUB_OFFLINE)"), err
+    assert err.count("\n") == 1, err
+    _hub_cache(tmp_path / "hf", "org/name")
+    assert models.hub_unavailable("org/name") is None

@@ -38,8 +38,19 @@ def test_reaper_dry_run_lists_and_stops_nothing(reaper_calls, capsys):
     assert reaper.main(["--dry-run"]) == 0
     assert capsys.readouterr().out.startswith("would stop pid 1 (vllm;")
     assert reaper_calls == ["find"]
+
+
+def test_reaper_without_an_option_is_a_dry_run_and_yes_reaps(reaper_calls, capsys):
+    """`python -m harness.reaper` with no option reaped at once: it lists now, and
+    stops only with --yes (or --kill)."""
     assert reaper.main([]) == 0
-    assert reaper_calls == ["find", "find", "reap"]
+    out = capsys.readouterr().out
+    assert out.startswith("would stop pid 1 (vllm;") and "--yes stops them" in out, out
+    assert reaper_calls == ["find"]
+    for flag in ("--yes", "--kill"):
+        assert reaper.main([flag]) == 0
+        assert capsys.readouterr().out.startswith("stopping pid 1 (vllm;")
+    assert reaper_calls == ["find", "find", "reap", "find", "reap"]
 
 
 # ----------------------------------------------------------------------------- ci/gpu-run.sh
@@ -66,6 +77,11 @@ def test_gpu_run_requires_the_gpu_cases_to_run(tmp_path):
     argv = seen.read_text().split()
     assert argv[:2] == ["-m", "pytest"] and "--harness-require-gpu" in argv, argv
     assert argv[-2:] == ["-k", "ipc"]
+    # an existing OUT outside the clone must not become pytest's rootdir: the rootdir is
+    # named, and no value of an option stands alone where pytest looks for paths
+    assert f"--rootdir={root}" in argv, argv
+    out = str(tmp_path / "out")
+    assert not any(a.startswith(out) for a in argv), argv
 
 
 # ----------------------------------------------------------------------------- known_issues

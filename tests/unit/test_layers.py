@@ -109,7 +109,7 @@ FLOORS = [
                "harness.rawlimit", "harness.bench_run", "harness.bench_view",
                "harness.diff_reports", "harness.diff_render", "harness.diff_bench",
                "harness.diff_common", "harness.known_issues_verify", "harness.sharding",
-               "harness.merge"}),
+               "harness.merge", "harness.rootdir", "harness.selection"}),
 ]
 ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
                .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}

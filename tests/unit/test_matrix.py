@@ -99,3 +99,17 @@ def test_a_file_that_is_not_a_report_exits_2(tmp_path, capsys):
     bad.write_text("[1, 2]")
     assert matrix.main([str(bad)]) == 2
     assert "not a run report" in capsys.readouterr().err
+
+
+def test_a_timed_out_trainer_api_probe_reads_timed_out_not_absent():
+    """`harness matrix` showed "-" for the trainer API of 0.27.1, 0.31.0 and 0.32.0,
+    where the probe had timed out after 120 s: "-" reads as "absent"."""
+    timed_out = _report("0.31.0", [], [])
+    timed_out["capabilities"]["trainer_api"] = {
+        "error": "TimeoutExpired: Command '['python', '-c', '...']' timed out after 120.0 seconds"}
+    failed = _report("0.30.0", [], [])
+    failed["capabilities"]["trainer_api"] = {"error": "ImportError: no module"}
+    ok = _report("0.28.0", [], [])
+    rows = {r[0]: r[1:] for r in matrix._capabilities([("0.28.0", ok), ("0.30.0", failed),
+                                                       ("0.31.0", timed_out)])}
+    assert rows["trainer API (nccl)"] == ["factory", "? (probe failed)", "? (timed out)"]

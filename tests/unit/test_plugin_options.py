@@ -123,7 +123,8 @@ def test_legacy_names_never_reach_a_server():
 def test_the_command_line_narrows_markers_and_never_widens_them(project):
     r = project.runpytest("--collect-only", "-q", "--vllm-model", "opt", "--vllm-dtype", "bf16")
     assert _collected(r) == {"test_plain[shm-cpu-bf16-opt]", "test_pinned_dtypes[shm-cpu-bf16-opt]"}
-    assert "deselected 1: pinned to models llama-tied, none of them selected" in r.stdout.str()
+    assert ("1 test(s) pinned to what the options did not select (pinned to models "
+            "llama-tied, none of them selected" in r.stdout.str())
 
 
 def _collected(r) -> set[str]:
@@ -138,8 +139,8 @@ def test_without_a_choice_the_marker_decides(project):
                              "test_pinned_dtypes[shm-cpu-bf16-llama]"}
 
 
-def test_gpu_cases_are_deselected_with_one_line_per_reason(project):
-    r = project.runpytest("--collect-only", "-q")
+def test_gpu_cases_are_deselected_with_one_line_per_reason_under_v(project):
+    r = project.runpytest("--collect-only", "-v")
     out = r.stdout.str()
     # 3 tests x 4 cases per GPU layout (2 backends x dtypes/models of each test)
     assert "deselected 12: layout 1gpu-colocated needs 1 GPU(s), 0 available" in out
@@ -325,3 +326,86 @@ def test_attention_backend_names_are_read_from_vllm_source_without_importing_it(
     names, where = facts.attention_backend_names()
     assert names == ("FLASH_ATTN", "FLEX_ATTENTION") and "registry.py" in where
     assert "vllm" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- what a selection asked for
+
+def _section(r) -> list[str]:
+    """The lines of the harness's section of the terminal summary."""
+    lines = r.stdout.lines
+    start = [i for i, ln in enumerate(lines) if "weight-sync-harness" in ln and "=" in ln]
+    if not start:
+        return []
+    out = []
+    for ln in lines[start[-1] + 1:]:
+        if ln.startswith("=") or re.match(r"\d+(/\d+)? tests? collected", ln):
+            break
+        out.append(ln)
+    return out
+
+
+def test_the_deselection_summary_counts_what_k_selected_on_at_most_three_lines(project):
+    """`pytest -k ipc` on a CPU host printed one line per reason (14 in the suite) with
+    counts that ignored -k: `-k zzznomatch` printed the same counts."""
+    r = project.runpytest("--collect-only", "-q", "-k", "ipc")
+    said = _section(r)
+    assert 0 < len(said) <= 3, said
+    # 3 tests x (2 ipc variants x 2 GPU layouts) x the cases of each (1 + 1 + 2)
+    assert said[0].startswith("16 case(s) in the selection (-k 'ipc'): 0 run here, 16 "
+                              "deselected"), said
+    assert "16 need more GPUs than the 0 here" in said[1], said
+    assert "nccl" not in " ".join(said)
+    assert _section(project.runpytest("--collect-only", "-q", "-k", "zzznomatch")) == []
+
+
+def test_a_selection_of_gpu_cases_none_of_which_can_run_fails(project):
+    """`pytest -k ipc` on a CPU host passed (exit 0, its unit tests named *ipc*) without
+    running one IPC case. It fails now, unless --harness-allow-no-gpu says that is fine;
+    a selection with cases that run here (shm) is not a failure."""
+    project.makepyfile(test_units="def test_ipc_words():\n    pass\n")
+    r = project.runpytest("-q", "-k", "ipc")
+    assert r.ret == pytest.ExitCode.TESTS_FAILED, r.stdout.str()
+    assert "names 16 GPU case(s) and none can run here (0 GPU(s)): failed; " \
+           "--harness-allow-no-gpu accepts that" in r.stdout.str()
+    r = project.runpytest("-q", "-k", "ipc", "--harness-allow-no-gpu")
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()
+    r = project.runpytest("-q", "-k", "ipc or shm")
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()
+
+
+def test_plan_runs_nothing_even_when_no_server_is_planned(project):
+    """`pytest -k ipc --harness-plan` on a CPU host printed no plan and ran the
+    selected tests."""
+    project.makepyfile(test_units="def test_ipc_words():\n    pass\n")
+    r = project.runpytest("-k", "ipc", "--harness-plan")
+    out = r.stdout.str()
+    assert "passed" not in out and "no server is planned" in out, out
+
+
+def test_pinned_tests_the_options_left_out_are_one_line(project):
+    """`--vllm-model <own dir>` printed one 'deselected N: pinned to ...' line per
+    pinned set of models (24 in the suite) and one per GPU layout (4)."""
+    project.makepyfile(test_more="import pytest\n\n"
+                       "@pytest.mark.models('opt')\ndef test_opt(case):\n    pass\n\n"
+                       "@pytest.mark.models('gpt2')\ndef test_gpt2(case):\n    pass\n\n"
+                       "@pytest.mark.models('qwen3')\ndef test_qwen3(case):\n    pass\n")
+    r = project.runpytest("--collect-only", "-q", "--vllm-model", "llama")
+    said = _section(r)
+    assert len(said) <= 3, said
+    assert sum("pinned to" in ln for ln in said) == 1, said
+    assert "4 test(s) pinned to what the options did not select" in " ".join(said), said
+
+
+def test_what_the_depth_line_promises_full_depth_runs(project):
+    """The summary's '--harness-depth full runs them' holds: at full depth the cases it
+    counted are selected (ten such lines of `-k ipc` named cases -k had dropped)."""
+    project.makepyfile(test_opt="import pytest\n\n@pytest.mark.models('opt')\n"
+                       "@pytest.mark.dtypes('float32', 'bfloat16')\ndef test_o(case):\n    pass\n")
+    quick = _section(project.runpytest("--collect-only", "-q", "-k", "shm and test_o",
+                                         "--vllm-layout", "cpu"))
+    assert quick[0].startswith("2 case(s) in the selection (-k 'shm and test_o'): 1 run here"), quick
+    assert "1 beyond --harness-depth quick (--harness-depth full runs them)" in quick[1], quick
+    full = project.runpytest("--collect-only", "-q", "-k", "shm and test_o", "--vllm-layout", "cpu",
+                            "--harness-depth", "full")
+    assert "test_opt.py::test_o[shm-cpu-bf16-opt]" in full.stdout.str()
+    assert _section(full) == [], _section(full)

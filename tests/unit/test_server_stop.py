@@ -1,0 +1,73 @@
+"""VLLMServer.stop from two threads at once (pytest -x: the pool's stop_all stops a
+booting server while its start, cut short, stops it too): one stops the process tree,
+the other returns, neither raises."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import psutil
+
+from harness.server import ServerConfig, VLLMServer
+
+
+class _SpyLock:
+    """A lock that says when a second caller is waiting for it."""
+
+    def __init__(self, lock):
+        self.lock, self.waiting = lock, threading.Event()
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waiting.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def test_two_threads_stopping_one_server_neither_raises(tmp_path):
+    srv = VLLMServer(ServerConfig(model="x"), log_dir=tmp_path)
+    srv.proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    pid = srv.proc.pid
+    spy = None
+    if hasattr(srv, "_stop_lock"):
+        spy = srv._stop_lock = _SpyLock(srv._stop_lock)
+    errors: list[BaseException] = []
+    other_done = threading.Event()
+
+    def other() -> None:
+        try:
+            srv.stop()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+        finally:
+            other_done.set()
+
+    real_tree = srv._tree
+    calls = []
+
+    def tree():
+        # the first stopper has passed its "is there a process" check: the second
+        # stopper runs now, and is either done or waiting for the first
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            threading.Thread(target=other, name="second", daemon=True).start()
+            while not (other_done.is_set() or (spy is not None and spy.waiting.is_set())):
+                time.sleep(0.01)
+        return real_tree()
+
+    srv._tree = tree
+    try:
+        srv.stop()
+    except BaseException as e:  # noqa: BLE001
+        errors.append(e)
+    other_done.wait(60)
+    assert other_done.is_set(), "the second stop never returned"
+    assert errors == []
+    assert srv.proc is None
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    srv.stop()  # and once more, after both: nothing to do
