@@ -493,7 +493,9 @@ def test_sleep_wake_racing_generation(awake):
     s.record(racing=dict(seen, hung=hung))
     assert not hung, f"{hung} client(s) still waiting {HANG_S:.0f}s after the last wake: {seen}"
     assert s.server.alive() and s.client.health(), f"after racing: {s.server_state()}"
-    hard = [e for e in seen["errors"] if not e.startswith("HTTP 4")]
+    # a refusal while asleep (4xx, or 503 where a release rejects instead of holding,
+    # vLLM #45326) is clean; a 500, a reset connection or a timeout is not
+    hard = [e for e in seen["errors"] if not e.startswith(("HTTP 4", "HTTP 503"))]
     assert not hard, f"requests racing sleep/wake failed: {hard[:5]} ({seen['ok']} ok)"
     golden_report(s, golden, ref, "after sleep/wake racing generation")
 
