@@ -55,8 +55,10 @@ def test_the_gpu_selections_plan_no_restart(tmp_path, host, selection):
     assert len(configs) == len(set(configs)) == plan["starts"], "a configuration planned twice"
     # every variant its own never-synced server; one twin for both variants
     dummies = [c for c in configs if "load=dummy" in c]
-    # (the sleep and two-API-server tests pin one variant: what they check is the server's)
-    plain = [c for c in dummies if "sleep-mode" not in c and "api-servers=" not in c]
+    # (the sleep, two-API-server and model-runner tests pin one variant: what they
+    # check is the server's)
+    plain = [c for c in dummies if "sleep-mode" not in c and "api-servers=" not in c
+             and " mrv" not in c]
     assert sum("for=ipc-packed" in c for c in plain) == sum("for=ipc-unpacked" in c
                                                              for c in plain) > 0
     twins = [c for c in configs if "load=auto" in c]
