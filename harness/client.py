@@ -242,6 +242,22 @@ class ServerClient:
         ``/finish_weight_update``'s ``weight_version`` or ``/update_weight_version``)."""
         return self._call("GET", "/weight_info").get("weight_version")
 
+    def update_weight_version(self, new_version: str, timeout: float | None = None) -> Any:
+        """``POST /update_weight_version {"new_version": ...}`` (vLLM 0.32+): relabel the
+        weights the server serves without moving any tensor; ``/weight_info`` follows."""
+        return self._call("POST", "/update_weight_version",
+                          json_body={"new_version": new_version}, timeout=timeout)
+
+    def metrics(self, timeout: float | None = None) -> list[tuple[str, dict[str, str], float]]:
+        """``GET /metrics``: every Prometheus sample as (name, labels, value)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self._call("GET", "/metrics", timeout=timeout)
+        if not isinstance(text, str):
+            text = json.dumps(text)
+        return [(smp.name, dict(smp.labels), float(smp.value))
+                for fam in text_string_to_metric_families(text) for smp in fam.samples]
+
     def weight_checksums(self, timeout: float | None = None) -> dict[str, str]:
         """``POST /weight_checker {"action": "checksum"}`` (vLLM 0.32+): one digest per
         weight tensor of every worker, keyed ``dp{i}:pp{j}:pcp{k}:tp{r}:<name>``."""
@@ -382,3 +398,12 @@ def assert_refused(error: BaseException | str | None, *, what: str,
         raise AssertionError(f"{what}: {r.route} refused with HTTP {r.status} without "
                              f"naming the state ({' / '.join(names)}): {r.detail[:400]}")
     return r
+
+
+def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str,
+               **labels: str) -> float | None:
+    """The sum of the samples called ``name`` whose labels include ``labels`` (over
+    engines and models); None when the server exposes no such sample."""
+    found = [v for n, lab, v in samples
+             if n == name and all(lab.get(k) == want for k, want in labels.items())]
+    return sum(found) if found else None

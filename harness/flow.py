@@ -358,6 +358,8 @@ class FlowResult:
     sync: dict                       # the trainer's result
     before_texts: list[str]
     after_texts: list[str]
+    # GET /weight_info before the first update (None where the release has no route)
+    weight_version_before: str | None = None
 
 
 def seed_flow(s: SyncSession, *, weights_dir: str | Path | None = None,
@@ -372,9 +374,20 @@ def seed_flow(s: SyncSession, *, weights_dir: str | Path | None = None,
     obs = s.observe(ref, phase="before")
     before = parity.compare(obs, ref, decode=s.decode)
     say("before", report=before, texts=[o.text for o in obs])
+    version_before = _weight_version_or_none(s.client)
     result = s.sync(weights_dir, corrupt=corrupt, options=options, pause_mode=pause_mode,
                     on_step=say)  # /pause -> the trainer's push -> /resume
     obs_after = s.observe(ref, phase="after")
     after = parity.compare(obs_after, ref, decode=s.decode)
     say("after", report=after, texts=[o.text for o in obs_after])
-    return FlowResult(ref, before, after, result, [o.text for o in obs], [o.text for o in obs_after])
+    return FlowResult(ref, before, after, result, [o.text for o in obs], [o.text for o in obs_after],
+                      version_before)
+
+
+def _weight_version_or_none(client) -> str | None:
+    """``GET /weight_info``'s version, or None where the server has no such route
+    (vLLM 0.26) or the client is not an HTTP one."""
+    try:
+        return client.weight_info()
+    except (ControlPlaneError, AttributeError):
+        return None

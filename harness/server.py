@@ -97,6 +97,8 @@ class ServerConfig:
                 + (f" api-servers={self.api_server_count}" if self.api_server_count > 1
                    else "")
                 + (" api-key" if self.api_key else "")
+                + "".join(f" mrv{2 if v == '1' else 1}" for k, v in self.extra_env
+                          if k == "VLLM_USE_V2_MODEL_RUNNER")
                 + (" INSECURE-SERIALIZATION" if self.insecure_serialization else ""))
 
 
