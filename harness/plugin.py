@@ -333,6 +333,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     in_use = (state.items or state.settings.explicit or os.environ.get(known_issues.ENV_PATH)
               or known_issues.names_any(items))
     if not in_use:  # a project that does not use the harness: leave its tests alone
+        _share_out(config, state, items, [None] * len(items))
         return
     known_issues.mark_known_issues(config, items, state.settings.vllm_url)
     # Tests grouped by the server they need, in the order harness.plan makes them: each
@@ -341,18 +342,27 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     needs = {id(it): _need(it, state.settings, paths) for it in items}
     keys = {id(it): (_plan.order_key(needs[id(it)]), i) for i, it in enumerate(items)}
     items.sort(key=lambda it: keys[id(it)])
+    _share_out(config, state, items, [needs[id(it)] for it in items])
+
+
+def _share_out(config: pytest.Config, state: RunState, items: list, needs: list) -> None:
+    """Side by side (or planning for it): the partition of the selection over the
+    workers (harness.parallel); worker gw0 writes it for the controller, always, even
+    when no test needs a server."""
     workers = parallel.worker(config) or (
         (0, parallel.plan_workers(getattr(config.option, "plan_workers", 0),
                                   state.settings.host()))
         if state.settings.harness_plan else None)
-    if workers and workers[1] > 1:
-        ordered = [needs[id(it)] for it in items]
-        state.partition = parallel.make_partition(ordered, state.settings.host(), workers[1])
-        bins = state.partition.bin_of(ordered)
-        if parallel.worker(config):
-            state.own = {it.nodeid for it, b in zip(items, bins) if b == workers[0]}
-            if workers[0] == 0:
-                parallel.write_partition(bins, [it.nodeid for it in items])
+    if not workers:
+        return
+    bins: list = [None] * len(items)
+    if workers[1] > 1 and any(n is not None for n in needs):
+        state.partition = parallel.make_partition(needs, state.settings.host(), workers[1])
+        bins = state.partition.bin_of(needs)
+    if parallel.worker(config):
+        state.own = {it.nodeid for it, b in zip(items, bins) if b == workers[0]}
+        if workers[0] == 0:
+            parallel.write_partition(bins, [it.nodeid for it in items])
 
 
 @pytest.hookimpl(trylast=True)
@@ -643,7 +653,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         shortfall = next((o["shortfall"] for o in state.worker_outputs.values()
                           if o.get("shortfall")), None)
     if not (said or state.pool is not None or state.stop_error or shortfall
-            or state.worker_outputs):
+            or any(o.get("started") for o in state.worker_outputs.values())):
         return
     tr = terminalreporter
     tr.section("weight-sync-harness")
@@ -653,7 +663,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         tr.write_line(shortfall, red=True)
     pool = state.pool
     planned = len(state.plan.servers) if state.plan else None
-    if pool is None and state.worker_outputs:
+    if pool is None and any(o.get("started") for o in state.worker_outputs.values()):
         pool = parallel.MergedPool(state.worker_outputs, state.t0)
         planned = sum(o.get("servers_planned", 0) for o in state.worker_outputs.values())
         tr.write_line(f"side by side: {len(state.worker_outputs)} workers, " + ", ".join(
