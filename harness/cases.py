@@ -76,6 +76,12 @@ FEATURES: dict[str, Feature] = {
         "behind them (the keep-alive timeout is raised, so a client's connection, and "
         "with it its API server, is kept between requests)",
         (("api_server_count", 2), ("extra_env", (("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "600"),)))),
+    "lora": Feature(
+        "--enable-lora (--max-loras 2, --max-lora-rank 16) with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: the trainer saves a PEFT adapter and loads it "
+        "through POST /v1/load_lora_adapter; rollouts name the adapter as their model",
+        (("enable_lora", True),
+         ("extra_env", (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)))),
 }
 
 
