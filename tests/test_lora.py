@@ -236,3 +236,51 @@ def test_lora_selftest_stale_adapter_is_seen(synced, session):
             assert_serves(s, lora.adapter_client(s.client, name), rb, ra, "stale swap")
     finally:
         lora.unload(s.client, name)
+
+
+# Longer than two CPU KV blocks (128 tokens each; 16 on GPU): the prefix cache keeps
+# full blocks only, and only completions read it (prompt-logprob requests skip it).
+LONG_PROMPT = ("The capital of France is Paris. The capital of Germany is Berlin. The capital "
+               "of Italy is Rome. Water boils at one hundred degrees. The quick brown fox "
+               "jumps over the lazy dog. The sun rises in the east and sets in the west. She "
+               "said hello to the world, and the world said hello back. ") * 4
+LONG_MIN_TOKENS = 2 * 128 + 1
+
+
+def test_lora_inplace_reload_from_the_same_path(synced, session, tmp_path):
+    """A trainer that saves every step's adapter into one directory and reloads it in
+    place: a long prompt sent before the reload and repeated after it (the prefix cache
+    can serve the repeat) must be computed with the new adapter."""
+    import shutil
+
+    s = session
+    s.ensure_holds()
+    (pa, _), (pb, rb) = adapter(s, "a"), adapter(s, "b")
+    long_a = s.reference(adapter=pa, prompts=(LONG_PROMPT.strip(),), max_tokens=8)
+    long_b = s.reference(adapter=pb, prompts=(LONG_PROMPT.strip(),), max_tokens=8)
+    n = len(long_a.prompts[0].prompt_ids)
+    assert n >= LONG_MIN_TOKENS, f"the long prompt is {n} tokens; it must span two KV blocks"
+    step_dir = tmp_path / "adapter"
+    shutil.copytree(pa, step_dir)
+    name = f"{NAME}-samepath"
+    must_load(s, name, step_dir)
+    client = lora.adapter_client(s.client, name)
+    try:
+        from harness import flow
+
+        before = parity.compare_generation(flow.observe_generation(client, long_a), long_a,
+                                           decode=s.decode)  # fills the prefix cache
+        parity.assert_logprobs_close(before, decode=s.decode)
+        shutil.rmtree(step_dir)
+        shutil.copytree(pb, step_dir)                  # the next step's adapter, same path
+        must_load(s, name, step_dir, load_inplace=True)
+        assert_serves(s, client, rb, None, "after the in-place reload (prompt logprobs: no cache)")
+        after = parity.compare_generation(flow.observe_generation(client, long_b), long_b,
+                                          decode=s.decode)
+        s.record(samepath_after_max_abs_dlogprob=after.max_abs,
+                 samepath_after_greedy_match=after.greedy_match_fraction,
+                 samepath_prefix_cache_stale=not within_tolerance(after))
+        parity.assert_logprobs_close(after, decode=s.decode)
+        parity.assert_greedy_equal(after)
+    finally:
+        lora.unload(s.client, name)
