@@ -245,6 +245,7 @@ LONG_PROMPT = ("The capital of France is Paris. The capital of Germany is Berlin
                "jumps over the lazy dog. The sun rises in the east and sets in the west. She "
                "said hello to the world, and the world said hello back. ") * 4
 LONG_MIN_TOKENS = 2 * 128 + 1
+CONTROL_PROMPT = "Once" + LONG_PROMPT.strip()[len("The"):]
 
 
 def test_lora_inplace_reload_from_the_same_path(synced, session, tmp_path):
@@ -275,12 +276,23 @@ def test_lora_inplace_reload_from_the_same_path(synced, session, tmp_path):
         shutil.copytree(pb, step_dir)                  # the next step's adapter, same path
         must_load(s, name, step_dir, load_inplace=True)
         assert_serves(s, client, rb, None, "after the in-place reload (prompt logprobs: no cache)")
+        # control: a long prompt never sent before (another first token: other block
+        # hashes) is computed with the new adapter, so a difference below is the cache's
+        fresh = s.reference(adapter=pb, prompts=(CONTROL_PROMPT,), max_tokens=8)
+        control = parity.compare_generation(flow.observe_generation(client, fresh), fresh,
+                                            decode=s.decode)
         after = parity.compare_generation(flow.observe_generation(client, long_b), long_b,
                                           decode=s.decode)
         s.record(samepath_after_max_abs_dlogprob=after.max_abs,
                  samepath_after_greedy_match=after.greedy_match_fraction,
+                 samepath_control_max_abs_dlogprob=control.max_abs,
                  samepath_prefix_cache_stale=not within_tolerance(after))
-        parity.assert_logprobs_close(after, decode=s.decode)
-        parity.assert_greedy_equal(after)
+        parity.assert_logprobs_close(control, decode=s.decode)
+        parity.assert_greedy_equal(control)
+        if not (within_tolerance(after) and after.greedy_match_fraction == 1.0):
+            raise AssertionError(
+                "after an in-place reload from the same path, a prompt sent before it is served "
+                "from prefix-cache blocks of the previous adapter (a prompt never sent is "
+                f"computed with the new one: {control.summary()}): {after.summary()}")
     finally:
         lora.unload(s.client, name)
