@@ -25,7 +25,10 @@ from harness import parity
 pytestmark = [pytest.mark.parity, pytest.mark.models("nemotron-h"), pytest.mark.dtypes("float32")]
 
 REPEAT_SEEDS = (2101, 2102)
+# The Mamba2 mixer's tensors: on disk under the checkpoint's names, sent (and left out)
+# under the trainer's in-memory names (transformers 5 maps backbone. to model.)
 MIXER = "backbone.layers.0.mixer."
+SENT_MIXER = "model.layers.0.mixer."
 # Each state-space tensor and a change that moves the outputs by whole nats: the zoo
 # draws them small (std 0.02), so a perturbation of a few percent would be lost in the
 # tolerance and a stale value could hide.
@@ -116,7 +119,7 @@ def test_hybrid_ssm_tensors_synced_and_left_out_seen(session, tmp_path_factory):
     assert_parity(report, decode=s.decode,
                   what=f"after a sync of the model with {', '.join(names)} shifted")
     for n in names:
-        target = MIXER + n
+        target = SENT_MIXER + n
         result = s.sync(corrupt="drop", corrupt_target=target)
         assert result.get("corruption") == f"dropped {target}", result
         kept = s.compare(s.reference(shifted_copy(src, root / n.replace(".", "_"), [n])))
