@@ -95,7 +95,7 @@ FLOORS = [
                "harness.measure", "harness.environment", "harness.sync"}),
     ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
                "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
-               "harness.frontends"}),
+               "harness.frontends", "harness.lora"}),
     ("engine", {"harness.cases", "harness.pool", "harness.trainer", "harness.trainer_child",
                 "harness.flow"}),
     ("faces", {"harness.plugin", "harness.report", "harness.known_issues", "harness.cli",
