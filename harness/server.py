@@ -65,6 +65,7 @@ class ServerConfig:
     quantization: str | None = None  # e.g. "fp8": online quantization of what is loaded
     enable_sleep_mode: bool = False  # /sleep can free the weights and the KV cache
     api_server_count: int = 1        # API server processes sharing the one port
+    enable_lora: bool = False        # LoRA adapters loaded at run time (/v1/load_lora_adapter)
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed
@@ -96,6 +97,7 @@ class ServerConfig:
                 + (" sleep-mode" if self.enable_sleep_mode else "")
                 + (f" api-servers={self.api_server_count}" if self.api_server_count > 1
                    else "")
+                + (" lora" if self.enable_lora else "")
                 + (" api-key" if self.api_key else "")
                 + "".join(f" mrv{2 if v == '1' else 1}" for k, v in self.extra_env
                           if k == "VLLM_USE_V2_MODEL_RUNNER")
@@ -171,6 +173,8 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
         argv += ["--enable-sleep-mode"]
     if cfg.api_server_count > 1:
         argv += ["--api-server-count", str(cfg.api_server_count)]
+    if cfg.enable_lora:  # two slots: an adapter swapped in while the old one still serves
+        argv += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
     argv += list(cfg.extra_args)
     return argv
 

@@ -28,7 +28,8 @@ from harness import flow, parity
 
 pytestmark = pytest.mark.parity
 
-ARCHITECTURES = ("llama", "llama-tied", "opt", "qwen3", "gpt2", "qwen3-moe", "smollm2")
+ARCHITECTURES = ("llama", "llama-tied", "opt", "qwen3", "gpt2", "qwen3-moe", "nemotron-h",
+                 "smollm2")
 DTYPES = ("float32", "bfloat16")
 
 # Distinct perturbation seeds per test, so no test can pass because another one left
@@ -148,6 +149,16 @@ def test_disk_loaded_twin_bit_identical_bf16(synced, session, request):
 @pytest.mark.dtypes("float32")
 @pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
 def test_disk_loaded_twin_bit_identical_fp32(synced, session, request):
+    _twin_check(synced, session, request)
+
+
+@pytest.mark.twin
+@pytest.mark.models("nemotron-h")
+@pytest.mark.dtypes("float32")
+def test_disk_loaded_twin_bit_identical_hybrid(synced, session, request):
+    """The Mamba/attention hybrid in float32: its state-space tensors (A_log, D, dt_bias,
+    conv1d) reach the synced server as a disk load puts them there. A second server, so
+    it runs at --harness-depth full only (plugin._beyond_quick)."""
     _twin_check(synced, session, request)
 
 

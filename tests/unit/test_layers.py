@@ -100,7 +100,7 @@ FLOORS = [
                "harness.partition", "harness.startup"}),
     ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
                "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
-               "harness.frontends"}),
+               "harness.frontends", "harness.lora"}),
     ("engine", {"harness.cases", "harness.pool", "harness.trainer", "harness.trainer_child",
                 "harness.flow", "harness.parallel"}),
     ("faces", {"harness.plugin", "harness.report", "harness.known_issues", "harness.cli",

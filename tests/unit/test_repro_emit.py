@@ -74,7 +74,7 @@ BAD_INPUT = [
      "--vllm-dtype: unknown dtype 'float16'; known: float32 (fp32), bfloat16 (bf16)"),
     (["--vllm-model", "lama", "--emit-only", "--emit", "x.py"],
      "--vllm-model: unknown model 'lama': not a zoo model (llama, llama-tied, opt, qwen3, gpt2, "
-     "qwen3-moe, smollm2), a sized model (sized-256mb), a local directory or a hub id "
+     "qwen3-moe, nemotron-h, smollm2), a sized model (sized-256mb), a local directory or a hub id "
      "(org/name)"),
     (["--vllm-model", "/nonexistent/path"], "--vllm-model: '/nonexistent/path' is not a directory"),
     (["--vllm-model", "llama,opt"], "--vllm-model: this command takes one value, got 'llama,opt'"),

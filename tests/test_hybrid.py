@@ -1,0 +1,136 @@
+"""A Mamba/attention hybrid (zoo model ``nemotron-h``): weight sync into state-space layers.
+
+Hybrid models hold tensors no attention model has: the Mamba2 mixer's ``A_log`` (vLLM
+keeps ``A = -exp(A_log)``, computed at load), ``D``, ``dt_bias`` and the depthwise
+``conv1d`` weight (3-D on disk, 2-D in vLLM). Reloads have broken exactly these, so each
+is checked on its own here: a sync must carry it (the server then computes what Hugging
+Face computes with it), and a sync that leaves it out must be seen (the server keeps
+the old value). Seed flow and parity are in test_parity.py (the hybrid is one of its
+ARCHITECTURES), the disk-loaded twin too (full depth: a second server).
+
+One server (shm-cpu-fp32-nemotron-h) serves every test here and the seed flow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from harness import parity
+
+pytestmark = [pytest.mark.parity, pytest.mark.models("nemotron-h"), pytest.mark.dtypes("float32")]
+
+REPEAT_SEEDS = (2101, 2102)
+# The Mamba2 mixer's tensors: on disk under the checkpoint's names, sent (and left out)
+# under the trainer's in-memory names (transformers 5 maps backbone. to model.)
+MIXER = "backbone.layers.0.mixer."
+SENT_MIXER = "model.layers.0.mixer."
+# Each state-space tensor and a change that moves the outputs by whole nats: the zoo
+# draws them small (std 0.02), so a perturbation of a few percent would be lost in the
+# tolerance and a stale value could hide.
+SSM_SHIFTS = {
+    "A_log": lambda t: t + 1.5,          # A = -exp(A_log): a 4.5x faster decay
+    "D": lambda t: t + 1.0,              # the skip connection
+    "dt_bias": lambda t: t + 2.0,        # softplus(dt + dt_bias): the step size
+    "conv1d.weight": lambda t: -t,       # the depthwise causal convolution
+}
+
+
+def within_tolerance(report: parity.ParityReport) -> bool:
+    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
+            and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
+
+
+def assert_parity(report: parity.ParityReport, *, decode, what: str) -> None:
+    try:
+        parity.assert_finite(report)
+        parity.assert_logprobs_close(report, decode=decode)
+        parity.assert_topk_close(report, decode=decode)
+        parity.assert_greedy_equal(report)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
+def shifted_copy(src: Path, dest: Path, names: list[str]) -> Path:
+    """A copy of the model in ``src`` whose tensors ``names`` (suffixes of SSM_SHIFTS
+    after MIXER) are shifted; everything else identical."""
+    if (dest / "harness-model.json").exists():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            for n in names:
+                full = MIXER + n
+                assert full in tensors, f"{full} is not a tensor of {src.name}"
+                tensors[full] = SSM_SHIFTS[n](tensors[full]).contiguous()
+            save_file(tensors, dest / f.name, metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, dest / f.name)
+    (dest / "harness-model.json").write_text(json.dumps({"shifted_from": str(src),
+                                                          "tensors": names}))
+    return dest
+
+
+def test_hybrid_repeated_syncs_last_one_wins(session):
+    """Two rounds with different weights: after each, parity with that round's
+    reference, and the previous round's reference no longer matches."""
+    s = session
+    previous, rounds = None, []
+    for i, seed in enumerate(REPEAT_SEEDS):
+        weights = s.perturbed(seed)
+        ref = s.reference(weights)
+        s.sync(weights)
+        report = s.compare(ref)
+        rounds.append({"round": i, "seed": seed, "max_abs_dlogprob": report.max_abs,
+                       "greedy_identical": sum(report.greedy_identical)})
+        s.record(rounds=rounds)
+        assert_parity(report, decode=s.decode, what=f"round {i} (seed {seed})")
+        if previous is not None:
+            stale = s.compare(previous)
+            rounds[-1]["previous_round_max_abs_dlogprob"] = stale.max_abs
+            assert not within_tolerance(stale), (
+                f"round {i}: the server also matches round {i - 1}'s reference "
+                f"({stale.summary()}): the rounds are too close to tell a stale sync apart")
+        previous = ref
+
+
+@pytest.mark.selftest
+def test_hybrid_ssm_tensors_synced_and_left_out_seen(session, tmp_path_factory):
+    """Every state-space tensor, one at a time: the server first takes weights whose SSM
+    tensors are all shifted (it must then compute exactly what Hugging Face computes with
+    them: each one was loaded, A_log through its -exp), then a sync of the model that
+    leaves out one of them must leave exactly that one shifted: parity with a reference
+    where only it is shifted, and none with the model's."""
+    s = session
+    src = Path(s.model_path)
+    root = tmp_path_factory.mktemp("ssm-shifted")
+    names = list(SSM_SHIFTS)
+    all_shifted = shifted_copy(src, root / "all", names)
+    ref_model = s.reference()
+    s.sync(all_shifted)
+    report = s.compare(s.reference(all_shifted))
+    facts = {"all_shifted_max_abs_dlogprob": report.max_abs}
+    s.record(ssm=facts)
+    assert_parity(report, decode=s.decode,
+                  what=f"after a sync of the model with {', '.join(names)} shifted")
+    for n in names:
+        target = SENT_MIXER + n
+        result = s.sync(corrupt="drop", corrupt_target=target)
+        assert result.get("corruption") == f"dropped {target}", result
+        kept = s.compare(s.reference(shifted_copy(src, root / n.replace(".", "_"), [n])))
+        stale = s.compare(ref_model)
+        facts[n] = {"kept_max_abs_dlogprob": kept.max_abs, "vs_model_max_abs_dlogprob": stale.max_abs}
+        s.record(ssm=facts)
+        assert_parity(kept, decode=s.decode,
+                      what=f"a sync without {target}: the server must keep its old value "
+                           "and take every other tensor")
+        assert not within_tolerance(stale), (
+            f"a sync without {target} still matches the model's reference ({stale.summary()}): "
+            "leaving it out went unseen")
+        # Back to all-shifted, so that the next tensor left out is again the only one
+        s.sync(all_shifted)
