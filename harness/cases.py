@@ -92,6 +92,18 @@ FEATURES: dict[str, Feature] = {
 }
 
 
+# Seen on 1 x H200 with vLLM 0.26.0 (reports/gpu/README.md, seventh visit): what a GPU
+# server cannot take in float32, by feature or zoo model.
+GPU_FLOAT32_UNSUPPORTED = {
+    "lora": "vLLM's Triton LoRA kernels take fp16/bf16 weights only (the engine fails at "
+            "start: 'assert weight.dtype in [torch.float16, torch.bfloat16]', "
+            "vllm/lora/ops/triton_ops/lora_expand_op.py)",
+    "nemotron-h": "FLEX_ATTENTION, the float32 attention backend on Hopper, refuses the "
+                  "hybrid's 48-token KV block ('flex_attn_kv_block_size must be a power of "
+                  "2'): the engine fails at start",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     backend: BackendVariant
@@ -128,6 +140,10 @@ class Case:
             for f in self.features:
                 if FEATURES[f].cpu_unsupported:
                     return f"{f} on a CPU server: {FEATURES[f].cpu_unsupported}"
+        elif self.dtype == "float32":
+            for what, why in GPU_FLOAT32_UNSUPPORTED.items():
+                if what in self.features or Path(self.model).name == what:
+                    return f"{what} in float32 on a GPU server: {why}"
         return None
 
 

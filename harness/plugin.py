@@ -132,6 +132,7 @@ def pytest_configure(config: pytest.Config) -> None:
     state = config.stash[STATE] = RunState(s)
     if parallel.ours(config) and not hasattr(config, "workerinput"):
         parallel.controller_dir()  # the workers, started after this, inherit its path
+        config.pluginmanager.register(_GpuCaseCounter(state), "harness-gpu-cases")
     if s.harness_shard:  # applied after -k, -m and the harness's deselection
         from .sharding import ShardPlugin
 
@@ -597,6 +598,18 @@ def synced(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool) 
 
 
 # ----------------------------------------------------------------------------- reporting
+
+class _GpuCaseCounter:
+    """On the controller of a side-by-side run: the GPU cases, counted from the reports
+    the workers send (a worker's own count comes back only if it ends normally)."""
+
+    def __init__(self, state: RunState):
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if "gpu" in report.keywords and (report.when == "call" or report.skipped):
+            self.state.gpu_cases[report.nodeid] = report.outcome
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
