@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import openai
 
 # How long /is_paused may take to follow a /pause or /resume that answered 200.
-STATE_CONFIRM_S = 10.0
+STATE_CONFIRM_S = 30.0  # a hang guard: on 2 shared cores, beside other workers, 10 s was exceeded
 # vLLM started without --api-key ignores the key; the SDK refuses to run without one.
 SDK_API_KEY = "EMPTY"
 

@@ -666,12 +666,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         shortfall = next((o["shortfall"] for o in state.worker_outputs.values()
                           if o.get("shortfall")), None)
     if not (said or state.pool is not None or state.stop_error or shortfall
+            or any(r.startswith("in other shards") for r in state.deselected)
             or any(o.get("started") for o in state.worker_outputs.values())):
         return
     tr = terminalreporter
     tr.section("weight-sync-harness")
     for line in said:
         tr.write_line(line)
+    for reason, n in sorted(state.deselected.items()):  # --harness-shard's cut
+        if reason.startswith("in other shards"):
+            tr.write_line(f"deselected {n}: {reason}")
     if shortfall:
         tr.write_line(shortfall, red=True)
     pool = state.pool

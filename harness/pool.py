@@ -219,7 +219,7 @@ class ServerPool:
                   "started_at": round(t0 - self.t0, 3),
                   "ready_at": round(time.monotonic() - self.t0, 3),
                   "starting_together": together, "model_seconds": round(built, 3)}
-        if srv.launched_at is not None:  # where the start's time went (harness.startup)
+        if getattr(srv, "launched_at", None) is not None:  # where the start's time went (harness.startup)
             record["profile"] = startup.profile(srv.log_path, srv.launched_at, srv.start_seconds)
         if again:
             record["restart_reason"] = why

@@ -336,36 +336,44 @@ def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
     s.ensure_holds()
     ref = s.reference()
     c = s.client
-    out: dict = {}
     bodies = {"n=4": _body(s, max_tokens=480, n=4, temperature=1.0, seed=7),
               **{f"single-{i}": _body(s, max_tokens=480, temperature=0.0) for i in range(3)}}
-    threads = [threading.Thread(target=_complete_raw, args=(c.clone(), b, out, k), daemon=True)
-               for k, b in bodies.items()]
-    for t in threads:
-        t.start()
+    # On a loaded host the requests can all finish before the sleep reaches the
+    # engine: then the scenario did not happen, the server is woken and it is tried
+    # again, three times at most.
+    for attempt in range(3):
+        out: dict = {}
+        threads = [threading.Thread(target=_complete_raw, args=(c.clone(), b, out, k),
+                                    daemon=True) for k, b in bodies.items()]
+        for t in threads:
+            t.start()
 
-    def running():
-        n = metric_sum(c.metrics(), "vllm:num_requests_running")
-        return n is not None and n >= 1 or len(out) == len(bodies)
+        def running():
+            n = metric_sum(c.metrics(), "vllm:num_requests_running")
+            return n is not None and n >= 1 or len(out) == len(bodies)
 
-    wait_until(running, timeout=60, interval=0.05, what="a request to be running")
-    answer = c.sleep(level=1, mode="abort", timeout=HANG_S)
-    for t in threads:
-        t.join(timeout=HANG_S)
-    assert len(out) == len(bodies), f"{where(s)}: requests still open {HANG_S:.0f}s after the sleep"
-    errors = {k: v for k, v in out.items() if isinstance(v, BaseException)}
-    assert not errors, f"{where(s)}: requests failed (no answer) around the sleep: {errors}"
-    reasons = {k: [ch.get("finish_reason") for ch in v.json().get("choices", [])]
-               if v.status_code == 200 else f"HTTP {v.status_code}: {v.text[:200]}"
-               for k, v in out.items()}
-    s.record(sleep_answer=answer, finish_reasons=reasons)
+        wait_until(running, timeout=60, interval=0.05, what="a request to be running")
+        answer = c.sleep(level=1, mode="abort", timeout=HANG_S)
+        for t in threads:
+            t.join(timeout=HANG_S)
+        assert len(out) == len(bodies), (f"{where(s)}: requests still open {HANG_S:.0f}s "
+                                         f"after the sleep")
+        errors = {k: v for k, v in out.items() if isinstance(v, BaseException)}
+        assert not errors, f"{where(s)}: requests failed (no answer) around the sleep: {errors}"
+        reasons = {k: [ch.get("finish_reason") for ch in v.json().get("choices", [])]
+                   if v.status_code == 200 else f"HTTP {v.status_code}: {v.text[:200]}"
+                   for k, v in out.items()}
+        if any("abort" in v for v in reasons.values()) or attempt == 2:
+            break
+        c.wake_up()
+    s.record(sleep_answer=answer, finish_reasons=reasons, attempts=attempt + 1)
     bad = {k: v for k, v in reasons.items()
            if isinstance(v, str) or not set(v) <= {"abort", "length"}}
     assert not bad, f"{where(s)}: requests around /sleep?mode=abort ended so: {bad}"
     assert len(reasons["n=4"]) == 4, f"{where(s)}: the n=4 request came back with {reasons['n=4']}"
     assert any("abort" in v for v in reasons.values()), (
-        f"{where(s)}: no request was aborted by the sleep (all had finished: {reasons}); "
-        "the scenario did not happen")
+        f"{where(s)}: no request was aborted by the sleep in 3 attempts (all had finished: "
+        f"{reasons}); the scenario did not happen")
     assert_state(s, sleeping=True, what="after /sleep?mode=abort")
 
     # a request while asleep: held, not failed
