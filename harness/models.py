@@ -432,32 +432,6 @@ def _rewritten_copy(src: Path, tag: str, key: str, transform, meta: dict, root: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".pert-", dir=root))
-    try:
-        gen = torch.Generator().manual_seed(seed)
-        for f in sorted(src.iterdir()):
-            if f.suffix == ".safetensors":
-                tensors = load_file(f)
-                for n in sorted(tensors):
-                    t = tensors[n]
-                    if t.is_floating_point():
-                        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-                        std = t.float().std() if t.numel() > 1 else t.float().abs()
-                        tensors[n] = (t.float() + scale * std * noise).to(t.dtype).contiguous()
-                save_file(tensors, tmp / f.name, metadata={"format": "pt"})
-            elif f.is_file():
-                shutil.copy(f, tmp / f.name)
-        meta = {"perturbed_from": str(src), "seed": seed, "scale": scale}
-        (tmp / "harness-model.json").write_text(json.dumps(meta, indent=1))
-        try:
-            tmp.rename(out)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
 
 
 # ----------------------------------------------------------------------------- sized models
