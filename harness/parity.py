@@ -459,3 +459,23 @@ class NonFiniteOutput(AssertionError):
     """The server computed NaN/inf logprobs. vLLM cannot put them in JSON and answers
     HTTP 400 "Out of range float values are not JSON compliant", so no report exists:
     this is a parity failure, not a transport error."""
+
+
+def within_tolerance(report: ParityReport) -> bool:
+    """Every token compared, all finite, and within the dtype's logprob tolerance."""
+    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
+            and report.max_abs <= tolerance_for(report.dtype).max_abs_logprob)
+
+
+def assert_parity(report: ParityReport, *, decode=None, what: str = "") -> None:
+    """Every check of this module, in the order that explains a failure best; ``what``
+    says what was compared."""
+    try:
+        assert_finite(report)
+        assert_logprobs_close(report, decode=decode)
+        assert_topk_close(report, decode=decode)
+        assert_greedy_equal(report)
+    except AssertionError as e:
+        if what:
+            raise AssertionError(f"{what}: {e}") from None
+        raise

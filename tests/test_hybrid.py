@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from harness import parity
+from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytestmark = [pytest.mark.parity, pytest.mark.models("nemotron-h"), pytest.mark.dtypes("float32")]
 
@@ -38,21 +38,6 @@ SSM_SHIFTS = {
     "dt_bias": lambda t: t + 2.0,        # softplus(dt + dt_bias): the step size
     "conv1d.weight": lambda t: -t,       # the depthwise causal convolution
 }
-
-
-def within_tolerance(report: parity.ParityReport) -> bool:
-    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
-            and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
-
-
-def assert_parity(report: parity.ParityReport, *, decode, what: str) -> None:
-    try:
-        parity.assert_finite(report)
-        parity.assert_logprobs_close(report, decode=decode)
-        parity.assert_topk_close(report, decode=decode)
-        parity.assert_greedy_equal(report)
-    except AssertionError as e:
-        raise AssertionError(f"{what}: {e}") from None
 
 
 def shifted_copy(src: Path, dest: Path, names: list[str]) -> Path:

@@ -29,6 +29,7 @@ import time
 import pytest
 
 from harness import lora, parity
+from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytest.importorskip("peft", reason="the LoRA tests write adapters with peft: pip install "
                     "'weight-sync-harness[lora]' (or pip install peft)")
@@ -42,21 +43,6 @@ INFLIGHT_THREADS = 2
 INFLIGHT_REQUEST_S = 60.0      # one rollout's timeout
 INFLIGHT_JOIN_S = 120.0        # the rollout threads must be done this long after the swap
 INFLIGHT_MAX_REQUESTS = 200    # per thread: a bound, should the stop never come
-
-
-def within_tolerance(report: parity.ParityReport) -> bool:
-    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
-            and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
-
-
-def assert_parity(report: parity.ParityReport, *, decode, what: str) -> None:
-    try:
-        parity.assert_finite(report)
-        parity.assert_logprobs_close(report, decode=decode)
-        parity.assert_topk_close(report, decode=decode)
-        parity.assert_greedy_equal(report)
-    except AssertionError as e:
-        raise AssertionError(f"{what}: {e}") from None
 
 
 def adapter(s, key: str):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 
 from harness import flow, parity
+from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytestmark = pytest.mark.parity
 
@@ -58,23 +59,6 @@ LONG_MAX_TOKENS = 8
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def assert_parity(report: parity.ParityReport, *, decode=None, what: str = "") -> None:
-    """Every check of the comparison module, in the order that explains a failure best."""
-    try:
-        parity.assert_finite(report)
-        parity.assert_logprobs_close(report, decode=decode)
-        parity.assert_topk_close(report, decode=decode)
-        parity.assert_greedy_equal(report)
-    except AssertionError as e:
-        if what:
-            raise AssertionError(f"{what}: {e}") from None
-        raise
-
-
-def within_tolerance(report: parity.ParityReport) -> bool:
-    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
-            and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
 
 
 def long_reference(session, weights_dir):

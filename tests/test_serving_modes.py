@@ -29,6 +29,7 @@ import threading
 import pytest
 
 from harness import parity
+from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytestmark = [pytest.mark.parity, pytest.mark.modes("graphs"), pytest.mark.models("llama"),
               pytest.mark.dtypes("bfloat16")]
@@ -41,21 +42,6 @@ SELFTEST_SEED = 1821
 # twin check must see them (a dropped q_proj shard is left uninitialised instead: NaN,
 # known_issues.toml).
 DROPPED = "model.layers.1.mlp.down_proj.weight"
-
-
-def assert_parity(report: parity.ParityReport, *, decode=None, what: str = "") -> None:
-    try:
-        parity.assert_finite(report)
-        parity.assert_logprobs_close(report, decode=decode)
-        parity.assert_topk_close(report, decode=decode)
-        parity.assert_greedy_equal(report)
-    except AssertionError as e:
-        raise AssertionError(f"{what}: {e}" if what else str(e)) from None
-
-
-def within_tolerance(report: parity.ParityReport) -> bool:
-    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
-            and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
 
 
 def twin_report(s, ref, *, mode: str | None = None) -> parity.ParityReport:

@@ -38,6 +38,7 @@ import time
 import pytest
 
 from harness import client, parity
+from harness.parity import within_tolerance  # shared with the other test modules
 from harness.pool import State
 
 # One IPC variant: sleep and wake act on the server's memory, whichever way the trainer
@@ -93,11 +94,6 @@ def assert_freed(s, mem: dict, level: int) -> None:
     elif mem.get("before") is not None and mem.get("asleep") is not None:
         freed = mem["before"] - mem["asleep"]
         assert freed >= 1024, f"level-{level} sleep freed {freed:.0f} MiB of GPU memory: {mem}"
-
-
-def within_tolerance(report: parity.ParityReport) -> bool:
-    return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
-            and report.max_abs <= parity.tolerance_for(report.dtype).max_abs_logprob)
 
 
 @pytest.fixture
