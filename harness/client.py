@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import requests
 
+from . import memory_lock
 from .facts import WaitTimeout, wait_until
 
 if TYPE_CHECKING:
@@ -210,14 +211,19 @@ class ServerClient:
         """``POST /sleep?level=N``: 1 offloads the weights to host memory and drops the
         KV cache, 2 drops both (a server started with --enable-sleep-mode; without
         it, or on a CPU, vLLM only pauses scheduling). 0.26 answers an empty 200,
-        0.32 ``{"status": "sleeping", "level": N}``."""
-        return self._call("POST", "/sleep", params={"level": level, **params}, timeout=timeout)
+        0.32 ``{"status": "sleeping", "level": N}``. Alone among this run's servers'
+        starts and sleeps on the GPU: vLLM judges a sleep by the device's free memory."""
+        with memory_lock.held(True, "POST /sleep"):
+            return self._call("POST", "/sleep", params={"level": level, **params},
+                              timeout=timeout)
 
     def wake_up(self, tags: list[str] | None = None, timeout: float | None = None) -> Any:
         """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``: part of it;
-        scheduling resumes once nothing sleeps)."""
-        return self._call("POST", "/wake_up", params={"tags": list(tags)} if tags else None,
-                          timeout=timeout)
+        scheduling resumes once nothing sleeps). Alone, like a sleep: a wake maps memory
+        that another server's sleep would count against itself."""
+        with memory_lock.held(True, "POST /wake_up"):
+            return self._call("POST", "/wake_up",
+                              params={"tags": list(tags)} if tags else None, timeout=timeout)
 
     def is_sleeping(self, timeout: float | None = None) -> bool:
         return bool(self._call("GET", "/is_sleeping", timeout=timeout)["is_sleeping"])

@@ -4,9 +4,11 @@ Hybrid models hold tensors no attention model has: the Mamba2 mixer's ``A_log`` 
 keeps ``A = -exp(A_log)``, computed at load), ``D``, ``dt_bias`` and the depthwise
 ``conv1d`` weight (3-D on disk, 2-D in vLLM). Reloads have broken exactly these, so each
 is checked on its own here: a sync must carry it (the server then computes what Hugging
-Face computes with it), and a sync that leaves it out must be seen (the server keeps
-the old value). Seed flow and parity are in test_parity.py (the hybrid is one of its
-ARCHITECTURES), the disk-loaded twin too (full depth: a second server).
+Face computes with it), and a sync that leaves it out must be seen. The server should
+also keep the old value of what was left out; vLLM's layerwise reload does not (known
+issue partial-layer-update-uninitialized-ssm). Seed flow and parity are in
+test_parity.py (the hybrid is one of its ARCHITECTURES), the disk-loaded twin too (full
+depth: a second server).
 
 One server (shm-cpu-fp32-nemotron-h) serves every test here and the seed flow.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
+from harness.parity import NonFiniteOutput, assert_parity, within_tolerance
 
 pytestmark = [pytest.mark.parity, pytest.mark.models("nemotron-h"), pytest.mark.dtypes("float32")]
 
@@ -103,19 +105,35 @@ def test_hybrid_ssm_tensors_synced_and_left_out_seen(session, tmp_path_factory):
     s.record(ssm=facts)
     assert_parity(report, decode=s.decode,
                   what=f"after a sync of the model with {', '.join(names)} shifted")
+    not_kept = {}
     for n in names:
         target = SENT_MIXER + n
         result = s.sync(corrupt="drop", corrupt_target=target)
         assert result.get("corruption") == f"dropped {target}", result
-        kept = s.compare(s.reference(shifted_copy(src, root / n.replace(".", "_"), [n])))
-        stale = s.compare(ref_model)
-        facts[n] = {"kept_max_abs_dlogprob": kept.max_abs, "vs_model_max_abs_dlogprob": stale.max_abs}
+        stale = _compare(s, ref_model)
+        kept = _compare(s, s.reference(shifted_copy(src, root / n.replace(".", "_"), [n])))
+        facts[n] = {"kept": kept if isinstance(kept, str) else kept.max_abs,
+                    "vs_model": stale if isinstance(stale, str) else stale.max_abs}
         s.record(ssm=facts)
-        assert_parity(kept, decode=s.decode,
-                      what=f"a sync without {target}: the server must keep its old value "
-                           "and take every other tensor")
-        assert not within_tolerance(stale), (
+        # The check that must hold: a sync that misses the tensor is seen.
+        assert isinstance(stale, str) or not within_tolerance(stale), (
             f"a sync without {target} still matches the model's reference ({stale.summary()}): "
             "leaving it out went unseen")
+        if isinstance(kept, str) or not within_tolerance(kept):
+            not_kept[target] = kept if isinstance(kept, str) else kept.summary()
         # Back to all-shifted, so that the next tensor left out is again the only one
         s.sync(all_shifted)
+    # Asserted after the loop, so that every tensor's left-out check has run first.
+    assert not not_kept, (
+        "a sync that leaves one state-space tensor out did not keep its old value "
+        "(parity with a reference where only that tensor is shifted): "
+        + "; ".join(f"{t}: {why}" for t, why in not_kept.items()))
+
+
+def _compare(s, reference):
+    """The parity report against ``reference``, or a line saying the server's logprobs
+    were NaN/inf (which matches no reference)."""
+    try:
+        return s.compare(reference)
+    except NonFiniteOutput as e:
+        return str(e).splitlines()[0]

@@ -210,9 +210,14 @@ def test_a_sync_while_asleep_is_refused_and_keeps_the_weights(awake):
                    f"dead or not answering /health: {s.server_state()}")
     s.client.wake_up()
     s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)  # until the parity below
-    assert_parity(s, ref_old, "after a sync while asleep ("
-                  + (f"answered {refusal.status}" if refusal else said or "answered 200")
-                  + ") and a wake: the weights held before the sleep")
+    answer = f"answered {refusal.status}" if refusal else said or "answered 200"
+    try:
+        assert_parity(s, ref_old, f"after a sync while asleep ({answer}) and a wake: the "
+                      "weights held before the sleep")
+    except client.ControlPlaneError as e:
+        # /health still answers, but the engine core is gone (seen on 1 x H200, 0.26.0)
+        raise AssertionError(f"after a sync while asleep ({said}) and a wake, the server no "
+                             f"longer serves: {str(e).splitlines()[0]}") from None
     s.sync(new)
     assert_parity(s, ref_new, "a sync after waking")
     client.assert_refused(error, what="a sync while asleep (level 1)", names=ASLEEP_WORDS)
@@ -417,6 +422,7 @@ def test_a_half_woken_server_holds_requests(awake, level):
     new = s.perturbed(SEEDS["l2"][1]) if level == 2 else None
     s.ensure_holds(new)
     ref = s.reference(new)
+    awake_ids = s.observe(ref)[0].token_ids   # the server's own greedy output, awake
     s.client.sleep(level=level)
     if level == 2:
         s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
@@ -431,18 +437,21 @@ def test_a_half_woken_server_holds_requests(awake, level):
     assert alive, f"a request to a half-woken server (level {level}): {s.server_state()}"
     assert not answered, f"a request to a half-woken server was answered: {held.out['r']}"
     got = held.result()
-    assert got.token_ids == list(ref.prompts[0].greedy_ids), (
+    # Against the awake server's answer, not Hugging Face's greedy ids: in bfloat16 the
+    # two may part after a few tokens while parity holds (seen on 1 x H200).
+    assert got.token_ids == awake_ids, (
         f"the request held by the half-woken server answered {got.token_ids}, not "
-        f"{list(ref.prompts[0].greedy_ids)}")
+        f"{awake_ids}, what the awake server answered")
     assert_parity(s, ref, f"after a half-woken level-{level} server held a request")
 
 
 def test_requests_while_asleep_are_held(awake):
     """Fully asleep (level 1): a request is held, the server stays healthy, and after
-    the wake the request completes with the model's output."""
+    the wake the request completes with the output the awake server gave."""
     s = awake
     s.ensure_holds()
     ref = s.reference()
+    awake_ids = s.observe(ref)[0].token_ids   # the server's own greedy output, awake
     s.client.sleep(level=1)
     held = HeldRequest(s, ref.prompts[0])
     answered = held.answered_within(HOLD_S)
@@ -450,7 +459,10 @@ def test_requests_while_asleep_are_held(awake):
     s.client.wake_up()
     assert alive, f"a request while asleep: {s.server_state()}"
     assert not answered, f"a request while asleep was answered: {held.out['r']}"
-    assert held.result().token_ids == list(ref.prompts[0].greedy_ids)
+    got = held.result().token_ids
+    assert got == awake_ids, (
+        f"the request held while asleep answered {got}, not {awake_ids}, what the awake "
+        "server answered")
 
 
 def test_sleep_wake_racing_generation(awake):

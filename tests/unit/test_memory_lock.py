@@ -1,0 +1,61 @@
+"""The lock between GPU server starts and sleeps (harness.memory_lock), across processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from harness import memory_lock
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from harness import memory_lock
+with memory_lock.held({exclusive}, "test", path=Path(sys.argv[1])) as got:
+    print("held" if got else "not held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def _holder(path, exclusive: bool, seconds: float) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD.format(exclusive=exclusive), str(path),
+                          str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_starts_share_the_lock_and_a_sleep_waits_for_them(tmp_path):
+    path = tmp_path / "gpu-memory.lock"
+    start = _holder(path, exclusive=False, seconds=1.5)   # a server start elsewhere
+    try:
+        t0 = time.monotonic()
+        with memory_lock.held(False, "another start", path=path, wait_s=0.5) as got:
+            assert got and time.monotonic() - t0 < 0.5, "two starts must not wait on each other"
+        t0 = time.monotonic()
+        with memory_lock.held(True, "a sleep", path=path, wait_s=30) as got:
+            waited = time.monotonic() - t0
+        assert got and waited > 0.8, f"a sleep went ahead beside a start ({waited:.2f} s)"
+    finally:
+        start.wait(timeout=30)
+
+
+def test_a_start_waits_for_a_sleep_and_every_wait_is_bounded(tmp_path, caplog):
+    path = tmp_path / "gpu-memory.lock"
+    sleep = _holder(path, exclusive=True, seconds=3)
+    try:
+        t0 = time.monotonic()
+        with memory_lock.held(False, "a start", path=path, wait_s=0.5) as got:
+            waited = time.monotonic() - t0
+        assert not got and 0.4 < waited < 2.5, (got, waited)
+        assert "going ahead without it" in caplog.text
+    finally:
+        sleep.wait(timeout=30)
+
+
+def test_nothing_is_locked_for_a_cpu_server_or_outside_a_parallel_run(tmp_path, monkeypatch):
+    with memory_lock.held(True, "cpu", gpu=False, path=tmp_path / "l") as got:
+        assert not got
+    monkeypatch.delenv(memory_lock.DIR_ENV, raising=False)
+    with memory_lock.held(True, "serial run") as got:
+        assert not got
