@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import facts, layouts
+from . import facts, layouts, models
 from .backends import VARIANTS, BackendVariant
 from .facts import DEFAULT_MODE, DEFAULT_TRAINER
 from .server import ServerConfig
@@ -217,7 +217,9 @@ def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
     serves every variant of the engine (it is never synced). Everything else is kept:
     a twin runs in its server's mode (eager and compiled kernels differ in the last
     bits) and with its features (an fp8 server's twin quantizes what it loads), unless
-    ``mode`` names another (the self-test that shows the mode matters)."""
+    ``mode`` names another (the self-test that shows the mode matters). Outside float32
+    it loads the weights in the server's dtype, as a trainer in it sends them
+    (``models.as_sent_path``)."""
     eager = cfg.enforce_eager if mode is None else mode == "eager"
-    return dataclasses.replace(cfg, model=str(weights_dir), load_format="auto",
-                               enforce_eager=eager)
+    return dataclasses.replace(cfg, model=models.as_sent_path(str(weights_dir), cfg.dtype),
+                               load_format="auto", enforce_eager=eager)

@@ -340,7 +340,11 @@ def planned_path(name_or_path: str) -> str:
 
 
 def ensure_built(path: str) -> None:
-    """Build the zoo model whose directory ``path`` is, if it is one and not built."""
+    """Build the zoo model whose directory ``path`` is, if it is one and not built, or
+    the trainer-dtype copy a planned twin loads (``as_sent_path``)."""
+    if path in _AS_SENT:
+        _as_sent_copy(path)
+        return
     for name in ZOO:
         if path == str(zoo_dir(name)):
             model_dir(name)
@@ -401,14 +405,49 @@ def dummy_copy(src: Path, dest_root: Path | None = None) -> Path:
                            dest_root or (cache_root() / "dummy"))
 
 
+# The copies in the trainer's dtype that planned twins load: path -> (source, dtype),
+# so that ensure_built can write one when its server starts (see as_sent_path).
+_AS_SENT: dict[str, tuple[str, str]] = {}
+
+
+def as_sent_path(src: str, dtype: str) -> str:
+    """The directory a disk-loaded twin of ``src`` serves in ``dtype``: ``src`` itself
+    in float32 (or for a hub id), else a copy of it with every floating-point tensor
+    cast to ``dtype``, the bytes a trainer in that dtype sends. Not built here
+    (``ensure_built`` writes it). vLLM keeps some parameters in float32 whatever the
+    dtype (the Mamba2 mixer's ``A = -exp(A_log)``): loaded from a float32 checkpoint,
+    they hold more than any bfloat16 trainer can send, and a twin of the float32 files
+    is then no twin (nemotron-h, 1 x H200: 0.04 nats apart)."""
+    if dtype == "float32" or not Path(src).is_absolute():
+        return src
+    out = str(_copy_dir(Path(src), f"as-{dtype}", f"as-sent|{dtype}", cache_root() / "as-sent"))
+    _AS_SENT[out] = (src, dtype)
+    return out
+
+
+def _as_sent_copy(out: str) -> Path:
+    import torch
+
+    src, dtype = _AS_SENT[out]
+    ensure_built(src)
+    target = getattr(torch, dtype)
+    return _rewritten_copy(Path(src), f"as-{dtype}", f"as-sent|{dtype}",
+                           lambda t: t.to(target), {"cast_from": src, "dtype": dtype},
+                           cache_root() / "as-sent")
+
+
+def _copy_dir(src: Path, tag: str, key: str, root: Path) -> Path:
+    digest = hashlib.sha256(f"{src.resolve()}|{key}|{RECIPE_VERSION}".encode()).hexdigest()[:12]
+    return root / f"{src.name}-{tag}-{digest}"
+
+
 def _rewritten_copy(src: Path, tag: str, key: str, transform, meta: dict, root: Path) -> Path:
     """A cached copy of model directory ``src`` with every floating-point tensor of its
     safetensors files replaced by ``transform(tensor)`` (in name order), the other
     files copied; written aside and renamed into place, so a reader never sees half."""
     from safetensors.torch import load_file, save_file
 
-    digest = hashlib.sha256(f"{src.resolve()}|{key}|{RECIPE_VERSION}".encode()).hexdigest()[:12]
-    out = root / f"{src.name}-{tag}-{digest}"
+    out = _copy_dir(src, tag, key, root)
     if (out / "harness-model.json").exists():
         return out
     root.mkdir(parents=True, exist_ok=True)

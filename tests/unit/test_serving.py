@@ -4,10 +4,11 @@ CPU server cannot run say why; the plan keeps them in groups of their own."""
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 
-from harness import cases, layouts, plan as P
+from harness import cases, layouts, models, plan as P
 from harness.backends import VARIANTS
 from harness.cases import Case, server_config_for, twin_config
 from harness.pool import start_seconds_by_mode
@@ -63,7 +64,7 @@ def test_features_reach_the_server_flags():
 def test_the_twin_keeps_mode_and_features_unless_told_otherwise():
     cfg = server_config_for(_case(mode="graphs", features=("fp8",)), "/m")
     twin = twin_config(cfg, "/w")
-    assert (twin.load_format, twin.model) == ("auto", "/w")
+    assert (twin.load_format, twin.model) == ("auto", models.as_sent_path("/w", "bfloat16"))
     assert twin.mode == "graphs" and twin.quantization == "fp8"
     other = twin_config(cfg, "/w", mode="eager")
     assert other.mode == "eager" and other == twin_config(
@@ -96,3 +97,31 @@ def test_start_seconds_by_mode():
     assert start_seconds_by_mode(started) == {
         "eager": {"servers": 2, "mean": 45.0, "max": 50.0},
         "graphs": {"servers": 2, "mean": 90.0, "max": 100.0}}
+
+
+def test_a_twin_outside_float32_loads_the_bytes_a_trainer_in_that_dtype_sends(tmp_path,
+                                                                            monkeypatch):
+    """vLLM keeps the Mamba2 mixer's A in float32 whatever the dtype: a bfloat16 twin of
+    the float32 files held more than the bfloat16 trainer sent (1 x H200, nemotron-h,
+    0.04 nats). The twin of a bfloat16 server loads a bfloat16 copy, built at its start."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    src = tmp_path / "m"
+    src.mkdir()
+    save_file({"a": torch.randn(8), "ids": torch.arange(3)}, src / "model.safetensors")
+    (src / "config.json").write_text("{}")
+    bf16 = twin_config(server_config_for(_case(dtype="bfloat16"), str(src)), str(src))
+    assert bf16.model != str(src) and bf16.load_format == "auto"
+    assert not Path(bf16.model).exists(), "planning a twin builds nothing"
+    models.ensure_built(bf16.model)
+    got = load_file(Path(bf16.model) / "model.safetensors")
+    want = load_file(src / "model.safetensors")
+    assert got["a"].dtype == torch.bfloat16 and torch.equal(got["a"], want["a"].bfloat16())
+    assert torch.equal(got["ids"], want["ids"]) and (Path(bf16.model) / "config.json").exists()
+    assert twin_config(server_config_for(_case(dtype="bfloat16"), str(src)), str(src)) == bf16
+    fp32 = twin_config(server_config_for(_case(dtype="float32"), str(src)), str(src))
+    assert fp32.model == str(src)
+    hub = twin_config(server_config_for(_case(dtype="bfloat16"), "org/model"), "org/model")
+    assert hub.model == "org/model"
