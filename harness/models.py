@@ -12,7 +12,9 @@ accepts both.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -183,12 +185,41 @@ def _build_smollm2(spec: ZooModel, out: Path) -> None:
 
     _log("converting SmolLM2's GGUF (dequantized) to a Hugging Face directory ...")
     try:
-        gguf = build_smollm2(out)
+        with _gguf_parsed_once():
+            gguf = build_smollm2(out)
     except Unusable as e:
         raise ModelUnavailable(f"{e}; or pass any local model directory or hub id with "
                                "--vllm-model") from None
     json.dump({"zoo": spec.name, "description": spec.description, "key": spec.cache_key(),
                "source": gguf.name}, open(out / "harness-model.json", "w"), indent=1)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file anew for the tokenizer and twice more for the
+    weights (gguf.GGUFReader, 15 s each for SmolLM2 on 2 cores), and rebuilds gguf's
+    tensor-name map for each of the model's 397 modules. Within this block, one reader
+    per file and one map per architecture: the same files, written in a third of the
+    time. Without gguf, or where a release renames these, nothing changes."""
+    try:
+        import gguf as g
+        reader_cls, name_map = g.GGUFReader, g.get_tensor_name_map
+    except (ImportError, AttributeError):
+        yield
+        return
+    readers: dict = {}
+
+    def reader(path, *args, **kw):
+        key = (str(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = reader_cls(path, *args, **kw)
+        return readers[key]
+
+    g.GGUFReader, g.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        g.GGUFReader, g.get_tensor_name_map = reader_cls, name_map
 
 
 def _builder(spec: ZooModel) -> Callable[[ZooModel, Path], None]:

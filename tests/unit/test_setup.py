@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import models
 from harness.portable import base, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,3 +62,21 @@ def test_setup_installs_pyflakes_so_the_lint_tests_run():
                 if ln.startswith("uv_install") and re.search(r"\bpyflakes(==[\d.]+)?\b", ln)]
     assert installs, "ci/setup.sh installs no pyflakes through uv_install"
     assert re.search(r"^import .*\bpyflakes\b", text, re.M), "the set-up check imports it"
+
+
+def test_a_conversion_parses_the_gguf_once():
+    """transformers opens a GGUF file for the tokenizer and twice for the weights, and
+    rebuilds gguf's tensor-name map per module: within the conversion, one reader per
+    file and one map per architecture; afterwards gguf is as it was."""
+    import gguf
+
+    from harness.portable.recipes import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    before = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    with models._gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first, "the file was parsed twice"
+        arch = next(iter(gguf.MODEL_ARCH_NAMES))
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == before
