@@ -181,3 +181,13 @@ def test_a_hub_id_that_cannot_be_fetched_is_refused_before_anything_starts(
     assert err.count("\n") == 1, err
     _hub_cache(tmp_path / "hf", "org/name")
     assert models.hub_unavailable("org/name") is None
+
+
+def test_python_dash_m_harness_is_the_harness_command():
+    """``python -m harness`` is what a user tries when the venv's bin is not on PATH."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "harness", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: harness"), r.stderr[-1000:]

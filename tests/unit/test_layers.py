@@ -20,7 +20,7 @@ FRONT_ENDS = {"harness.plugin", "harness.report", "harness.known_issues", "harne
               "harness.repro_script",
               "harness.bench_run", "harness.bench_view", "harness.diff_reports",
               "harness.diff_render", "harness.diff_bench", "harness.known_issues_verify",
-              "harness.sharding", "harness.merge"}
+              "harness.sharding", "harness.merge", "harness.__main__"}
 ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", "harness.flow",
           "harness.trainer", "harness.server", "harness.client", "harness.layouts",
           "harness.models", "harness.reference", "harness.parity", "harness.vllm_api",
@@ -64,6 +64,7 @@ def test_front_ends_do_not_import_each_other():
                ("harness.report", "harness.known_issues"), ("harness.plugin", "harness.sharding"),
                ("harness.cli", "harness.demo"), ("harness.cli", "harness.repro"),
                ("harness.cli", "harness.diff"), ("harness.cli", "harness.bench"),
+               ("harness.__main__", "harness.cli"),
                # one command's parts
                ("harness.bench", "harness.bench_run"), ("harness.bench", "harness.bench_view"),
                ("harness.bench_run", "harness.bench_view"),
@@ -109,7 +110,7 @@ FLOORS = [
                "harness.rawlimit", "harness.bench_run", "harness.bench_view",
                "harness.diff_reports", "harness.diff_render", "harness.diff_bench",
                "harness.diff_common", "harness.known_issues_verify", "harness.sharding",
-               "harness.merge", "harness.rootdir", "harness.selection"}),
+               "harness.merge", "harness.rootdir", "harness.selection", "harness.__main__"}),
 ]
 ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
                .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}

@@ -1,0 +1,8 @@
+"""``python -m harness CMD``: the same as the ``harness`` command."""
+
+import sys
+
+from harness.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
