@@ -77,13 +77,156 @@ from harness.portable.send_shm import send_shm, setup_shm
 from harness.portable.steps import LEFT_BEHIND
 from harness.portable.trainer_api import check_trainer_api
 
-# -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
-
 # -- scenario: data written by `harness repro --emit` --
 SCENARIO: dict[str, Any] | None = None
 # -- end of scenario data --
 
 CURRENT = ["start"]  # the step under way, named when it fails
+
+
+def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
+    """Steps 1 to 8; returns (verdict, why). Unusable propagates (nothing ran)."""
+    started: list[subprocess.Popen] = []  # the server, once started
+    log = workdir / "vllm-server.log"
+    try:
+        step(1, f"model: {sc['model']['name']} ({sc['model']['source']})")
+        model = prepare_model(sc["model"], workdir)
+        # [region path hub]
+        if args.model_dir:
+            if not (args.model_dir / "config.json").exists():
+                raise Unusable(f"--model-dir {args.model_dir}: no config.json there")
+            model = str(args.model_dir)
+        # [end]
+        # [region static]
+        # [region ipc]
+        if args.stub_ray:  # an empty `ray` package, first on the paths (the server's too)
+            (workdir / "stub-ray" / "ray").mkdir(parents=True, exist_ok=True)
+            (workdir / "stub-ray" / "ray" / "__init__.py").write_text("")
+            sys.path.insert(0, str(workdir / "stub-ray"))
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+                str(workdir / "stub-ray"), os.environ.get("PYTHONPATH")]))
+        # [end]
+        # [end]
+        # [region nccl ipc]
+        check_trainer_api(sc["engine"], sc["trainer_api"])  # before the server starts
+        # [end]
+        # [region shm]
+        setup_shm(sc, workdir)  # the engine's plugin, on the PYTHONPATH the server inherits
+        # [end]
+        step(2, f"start vLLM (log: {log})")
+        client = Client(start_server(model, sc, log, args.start_timeout, started),
+                        args.sync_timeout)
+        say(f"healthy at {client.url}, version {client.call('GET', '/version').get('version')}")
+        step(3, f"Hugging Face reference ({sc['dtype']}, CPU)")
+        refs, hf = hf_reference(model, sc)
+        for r in refs:
+            say(f"{r['prompt']!r} -> {r['text']!r}")
+        step(4, "before the sync: greedy + teacher-forced logprobs")
+        before = compare(client, refs, sc)
+        say(before["summary"])
+        if not before["mean_abs"] >= sc["gibberish_min_mean_abs"] or before["all_identical"]:
+            say("WARNING: the server already matches the reference before the sync")
+        mode = sc["pause_mode"]
+        step(5, "POST /pause" + (f"?mode={mode}" if mode else ""))
+        client.call("POST", "/pause", params={"mode": mode} if mode else None)
+        if not client.call("GET", "/is_paused")["is_paused"]:
+            raise RuntimeError("/is_paused is false right after /pause")
+        step(6, f"sync: {sc['backend']} (engine {sc['engine']}, packed={sc['packed']}), "
+                f"trainer on {sc['trainer_device']}")
+        try:  # the reference model's parameters, on the trainer's device (the current one)
+            # [region gpu]
+            import torch
+
+            torch.cuda.set_device(torch.device(sc["trainer_device"]))
+            # [end]
+            weights = [(n, p.detach()) for n, p in hf.to(sc["trainer_device"]).named_parameters()]
+            # [region corrupt]
+            weights, what = corrupt_weights(weights, sc["corrupt"])
+            say(f"damaged on purpose: {what}")
+            # [end]
+            t0 = time.monotonic()
+            # [region nccl]
+            # [region factory]
+            api = send_nccl(client, weights, sc, args.sync_timeout)
+            # [end]
+            # [region static]
+            api = send_nccl_static(client, weights, sc, args.sync_timeout)
+            # [end]
+            # [end]
+            # [region ipc]
+            # [region factory]
+            api = send_ipc(client, weights, sc, args.sync_timeout)
+            # [end]
+            # [region static]
+            api = send_ipc_static(client, weights, sc, args.sync_timeout)
+            # [end]
+            # [end]
+            # [region shm]
+            api = send_shm(client, weights, sc, args.sync_timeout)
+            # [end]
+            say(f"{len(weights)} tensors sent in {time.monotonic() - t0:.1f}s via {api}")
+        finally:  # resume even after a failed sync; a failure names the sync, not this
+            during = CURRENT[0]
+            step(7, "POST /resume")
+            client.call("POST", "/resume")
+            if client.call("GET", "/is_paused")["is_paused"]:
+                raise RuntimeError("/is_paused is still true after /resume")
+            CURRENT[0] = during
+        step(8, "after the sync: compare with the reference")
+        after = compare(client, refs, sc)
+        say(after["summary"])
+        if after["problems"]:
+            return "mismatch", "\n".join(after["problems"])
+        return "parity", "vLLM matches the Hugging Face reference after the sync"
+    except Unusable:
+        raise
+    except Exception as e:
+        why = f"step {CURRENT[0]} failed: {type(e).__name__}: {e}"
+        if started:
+            tail = log.read_text(errors="replace").splitlines()[-60:]
+            why += f"\n--- server log tail ({log}):\n" + "\n".join(tail)
+        return "error", why
+    finally:
+        for proc in started:  # SIGTERM to the server's process group, SIGKILL after 30 s
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    sc, script = SCENARIO, Path(__file__).resolve()
+    # [region template]
+    if sc is None:
+        print(f"{script.name}: this is the template and holds no scenario; "
+              "`harness repro --emit PATH` writes a script that does", file=sys.stderr)
+        return 2
+    # [end]
+    args = parse_args(argv, sc)
+    workdir = (args.workdir or script.parent / f"{script.stem}-work").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"scenario: {sc['title']}; expecting {args.expect!r}; work dir {workdir}", flush=True)
+    try:
+        verdict, why = run(sc, args, workdir)
+    except Unusable as e:
+        print(f"{script.name}: cannot run: {e}", file=sys.stderr)
+        return 2
+    step(9, f"verdict: {verdict.upper()}")
+    ok = verdict == args.expect
+    print(why + (f"\n\nREPRODUCED: the verdict is {verdict!r}, as expected." if ok else
+                 f"\n\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}."),
+          flush=True)
+    # [region steps]
+    if any(t.is_alive() for t in LEFT_BEHIND):  # blocked in NCCL: would keep Python from exiting
+        os._exit(0 if ok else 1)
+    # [end]
+    return 0 if ok else 1
+
+
+# -- portable code: `harness repro --emit` puts the scenario's harness/portable modules here --
 
 
 def step(i: int, what: str) -> None:
@@ -304,148 +447,6 @@ def parse_args(argv: list[str] | None, sc: dict[str, Any]) -> argparse.Namespace
     if not (args.start_timeout > 0 and args.sync_timeout > 0):
         ap.error("--start-timeout and --sync-timeout take a positive number of seconds")
     return args
-
-
-def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
-    """Steps 1 to 8; returns (verdict, why). Unusable propagates (nothing ran)."""
-    started: list[subprocess.Popen] = []  # the server, once started
-    log = workdir / "vllm-server.log"
-    try:
-        step(1, f"model: {sc['model']['name']} ({sc['model']['source']})")
-        model = prepare_model(sc["model"], workdir)
-        # [region path hub]
-        if args.model_dir:
-            if not (args.model_dir / "config.json").exists():
-                raise Unusable(f"--model-dir {args.model_dir}: no config.json there")
-            model = str(args.model_dir)
-        # [end]
-        # [region static]
-        # [region ipc]
-        if args.stub_ray:  # an empty `ray` package, first on the paths (the server's too)
-            (workdir / "stub-ray" / "ray").mkdir(parents=True, exist_ok=True)
-            (workdir / "stub-ray" / "ray" / "__init__.py").write_text("")
-            sys.path.insert(0, str(workdir / "stub-ray"))
-            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
-                str(workdir / "stub-ray"), os.environ.get("PYTHONPATH")]))
-        # [end]
-        # [end]
-        # [region nccl ipc]
-        check_trainer_api(sc["engine"], sc["trainer_api"])  # before the server starts
-        # [end]
-        # [region shm]
-        setup_shm(sc, workdir)  # the engine's plugin, on the PYTHONPATH the server inherits
-        # [end]
-        step(2, f"start vLLM (log: {log})")
-        client = Client(start_server(model, sc, log, args.start_timeout, started),
-                        args.sync_timeout)
-        say(f"healthy at {client.url}, version {client.call('GET', '/version').get('version')}")
-        step(3, f"Hugging Face reference ({sc['dtype']}, CPU)")
-        refs, hf = hf_reference(model, sc)
-        for r in refs:
-            say(f"{r['prompt']!r} -> {r['text']!r}")
-        step(4, "before the sync: greedy + teacher-forced logprobs")
-        before = compare(client, refs, sc)
-        say(before["summary"])
-        if not before["mean_abs"] >= sc["gibberish_min_mean_abs"] or before["all_identical"]:
-            say("WARNING: the server already matches the reference before the sync")
-        mode = sc["pause_mode"]
-        step(5, "POST /pause" + (f"?mode={mode}" if mode else ""))
-        client.call("POST", "/pause", params={"mode": mode} if mode else None)
-        if not client.call("GET", "/is_paused")["is_paused"]:
-            raise RuntimeError("/is_paused is false right after /pause")
-        step(6, f"sync: {sc['backend']} (engine {sc['engine']}, packed={sc['packed']}), "
-                f"trainer on {sc['trainer_device']}")
-        try:  # the reference model's parameters, on the trainer's device (the current one)
-            # [region gpu]
-            import torch
-
-            torch.cuda.set_device(torch.device(sc["trainer_device"]))
-            # [end]
-            weights = [(n, p.detach()) for n, p in hf.to(sc["trainer_device"]).named_parameters()]
-            # [region corrupt]
-            weights, what = corrupt_weights(weights, sc["corrupt"])
-            say(f"damaged on purpose: {what}")
-            # [end]
-            t0 = time.monotonic()
-            # [region nccl]
-            # [region factory]
-            api = send_nccl(client, weights, sc, args.sync_timeout)
-            # [end]
-            # [region static]
-            api = send_nccl_static(client, weights, sc, args.sync_timeout)
-            # [end]
-            # [end]
-            # [region ipc]
-            # [region factory]
-            api = send_ipc(client, weights, sc, args.sync_timeout)
-            # [end]
-            # [region static]
-            api = send_ipc_static(client, weights, sc, args.sync_timeout)
-            # [end]
-            # [end]
-            # [region shm]
-            api = send_shm(client, weights, sc, args.sync_timeout)
-            # [end]
-            say(f"{len(weights)} tensors sent in {time.monotonic() - t0:.1f}s via {api}")
-        finally:  # resume even after a failed sync; a failure names the sync, not this
-            during = CURRENT[0]
-            step(7, "POST /resume")
-            client.call("POST", "/resume")
-            if client.call("GET", "/is_paused")["is_paused"]:
-                raise RuntimeError("/is_paused is still true after /resume")
-            CURRENT[0] = during
-        step(8, "after the sync: compare with the reference")
-        after = compare(client, refs, sc)
-        say(after["summary"])
-        if after["problems"]:
-            return "mismatch", "\n".join(after["problems"])
-        return "parity", "vLLM matches the Hugging Face reference after the sync"
-    except Unusable:
-        raise
-    except Exception as e:
-        why = f"step {CURRENT[0]} failed: {type(e).__name__}: {e}"
-        if started:
-            tail = log.read_text(errors="replace").splitlines()[-60:]
-            why += f"\n--- server log tail ({log}):\n" + "\n".join(tail)
-        return "error", why
-    finally:
-        for proc in started:  # SIGTERM to the server's process group, SIGKILL after 30 s
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    sc, script = SCENARIO, Path(__file__).resolve()
-    # [region template]
-    if sc is None:
-        print(f"{script.name}: this is the template and holds no scenario; "
-              "`harness repro --emit PATH` writes a script that does", file=sys.stderr)
-        return 2
-    # [end]
-    args = parse_args(argv, sc)
-    workdir = (args.workdir or script.parent / f"{script.stem}-work").resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    print(f"scenario: {sc['title']}; expecting {args.expect!r}; work dir {workdir}", flush=True)
-    try:
-        verdict, why = run(sc, args, workdir)
-    except Unusable as e:
-        print(f"{script.name}: cannot run: {e}", file=sys.stderr)
-        return 2
-    step(9, f"verdict: {verdict.upper()}")
-    ok = verdict == args.expect
-    print(why + (f"\n\nREPRODUCED: the verdict is {verdict!r}, as expected." if ok else
-                 f"\n\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}."),
-          flush=True)
-    # [region steps]
-    if any(t.is_alive() for t in LEFT_BEHIND):  # blocked in NCCL: would keep Python from exiting
-        os._exit(0 if ok else 1)
-    # [end]
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":
