@@ -3,47 +3,8 @@
 This is the only module that knows the API changed between releases. It decides
 by feature detection (does the class exist, what does the signature take), never
 by comparing version strings, so a patched or back-ported vLLM takes the path its
-code supports. The generations known (checked against their sources):
-
-* 0.26: ``nccl_common.trainer_init(dict)`` returns the trainer's communicator, the
-  static ``NCCLWeightTransferEngine.trainer_send_weights(iterator, args)``
-  broadcasts, and the caller drives all four HTTP routes itself; ``packed`` and
-  the buffer geometry ride each ``update_info``. IPC has the static
-  ``IPCWeightTransferEngine.trainer_send_weights(iterator, args)`` whose
-  ``send_mode`` may be a callable, and ``ipc_engine.py`` imports ``ray`` at
-  module level. ``WeightTransferTrainerFactory`` exists but registers no
-  built-in engine and takes ``(backend, config, init_info)``.
-* 0.27.1: IPC moved to ``WeightTransferTrainerFactory.trainer_init(
-  IPCTrainerInitInfo(...), client=, source=)`` + ``send_weights()`` (its static
-  ``trainer_send_weights`` is a stub that raises); NCCL is still the 0.26 static
-  path.
-* 0.32: both NCCL (``NCCLTrainerInitInfo``) and IPC go through the factory;
-  ``packed`` and the buffer geometry ride the init info, not the update info.
-* 0.33 (read from its source; no CPU build, not run here): ``WeightSource.metadata``
-  is a property that subclasses must define as a ``functools.cached_property``
-  (``WeightSource.__init_subclass__`` raises ``TypeError`` otherwise), iteration is
-  ``iter_full()`` / ``iter_local()`` instead of ``__iter__``, ``held_names`` /
-  ``groups`` became ``owned_names(rank)``; NCCL and IPC ``trainer_init`` raise when
-  the source does not implement ``iter_full``; ``TrainerWeightTransferEngine.__init__``
-  takes ``rank``. ``NCCLWeightTransferUpdateInfo``'s lists default to empty, meaning
-  "the metadata of the previous update" (worker ``_last_update_info``); the trainer
-  engine sends them empty when the metadata did not change (``_sent_meta``).
-  ``weight_source`` builds the source each generation expects; ``source_metadata`` /
-  ``iterate_source`` read one either way; ``forget_sent_metadata`` makes the next
-  NCCL update carry its metadata again (fault tests that lie about it need that).
-* 0.34 (read from its source; no CPU build, not run here): ``base.py``,
-  ``clients.py`` and ``factory.py`` are 0.33's. NCCL takes several broadcasting
-  trainer ranks (pipeline stages): ``NCCLWeightTransferUpdateInfo`` gained ``src`` (the
-  broadcaster's group rank, default 0, left out of the payload when 0), the trainer
-  engine sets the init payload's ``rank_offset`` to the number of broadcasters, and
-  the worker refuses a ``src`` outside ``[0, rank_offset)``; the elided metadata is
-  kept per ``(model, src)``. ``NCCLTrainerInitInfo.use_load_plan`` (default off) plans
-  direct writes. The workers' reload lifecycle is ``reload.start_reload`` /
-  ``finish_reload(model, model_config, device)`` (``VLLM_RELOAD_MODE``), and
-  ``mtp_validation`` is gone (its guard became ``weight_update_active()``, set by
-  ``start_reload``): the harness's shm engine takes that lifecycle where it exists
-  (``harness/backends/shm_engine.py``). ``probe()`` reports both
-  (``nccl_update_info_names_sender``, ``reload.start_reload``).
+code supports. The generations known, release by release: ``docs/releases.md``,
+"The trainer-side API, generation by generation".
 
 Importing this module imports neither vLLM nor torch: the pytest process uses it
 too, and must never load CUDA libraries. ``probe(isolated=True)`` and
