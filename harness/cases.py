@@ -21,6 +21,7 @@ from typing import Any, Iterable
 from . import facts, layouts, models
 from .backends import VARIANTS, BackendVariant
 from .facts import DEFAULT_MODE, DEFAULT_TRAINER
+from .trainer_plugin import label as trainer_label
 from .server import ServerConfig
 
 # A fixed KV cache for GPU servers. Sized from the memory fraction, a tiny model's KV
@@ -117,12 +118,13 @@ class Case:
     @property
     def id(self) -> str:
         """``<backend>-<layout>-<dtype>-<model>``, then the mode and the trainer where
-        they are not the defaults (``-graphs``, ``-via-vllm``), then the features
+        they are not the defaults (``-graphs``, ``-via-vllm``; a trainer of your own:
+        ``-via-<entry point name>`` or ``-via-<ATTRIBUTE>``), then the features
         (``-fp8``)."""
         return (f"{self.backend.id}-{self.layout.name}-{facts.short_dtype(self.dtype)}-"
                 f"{Path(self.model).name}"
                 + ("" if self.mode == DEFAULT_MODE else f"-{self.mode}")
-                + ("" if self.trainer == DEFAULT_TRAINER else f"-via-{self.trainer}")
+                + ("" if self.trainer == DEFAULT_TRAINER else f"-via-{trainer_label(self.trainer)}")
                 + "".join(f"-{f}" for f in self.features))
 
     def as_dict(self) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from . import environment, facts, models, parallel
+from . import environment, facts, models, parallel, trainer_plugin
 from . import plan as _plan
 from . import selection as _selection
 from . import settings as _settings
@@ -39,7 +39,8 @@ MARKERS = (
     "backends(*ids): backend variants this test runs on; --vllm-backend narrows them",
     "layouts(*names): layouts this test runs on; --vllm-layout narrows them",
     "modes(*names): serving modes (eager, graphs) this test runs on; --vllm-mode narrows them",
-    "trainers(*names): trainer code (harness, vllm) this test runs with; --vllm-trainer "
+    "trainers(*names): trainer code (harness, vllm; user: the trainers of your own "
+    "--vllm-trainer names) this test runs with; --vllm-trainer "
     "narrows them",
     "features(*names): server features (harness.cases.FEATURES: fp8, sleep, 2api, lora) every "
     "case of this test carries; not narrowed, -k selects them by id",
@@ -213,8 +214,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     layouts = _settings.narrow(_marker_args(d, "layouts"), s.vllm_layout,
                                "vllm_layout" in s.explicit)
     modes = _settings.narrow(_marker_args(d, "modes"), s.vllm_mode, "vllm_mode" in s.explicit)
-    trainers = _settings.narrow(_marker_args(d, "trainers"), s.vllm_trainer,
-                                "vllm_trainer" in s.explicit)
+    trainers = _settings.narrow(trainer_plugin.pin(_marker_args(d, "trainers"), s.vllm_trainer),
+                                s.vllm_trainer, "vllm_trainer" in s.explicit)
     cases = build_cases(backends, layouts, dtypes, models, modes, trainers,
                         _marker_args(d, "features") or ())
     if not cases:

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import facts, layouts, models
+from . import facts, layouts, models, trainer_plugin
 from .backends import VARIANTS
 
 
@@ -64,6 +64,14 @@ def _choice(known: Mapping[str, Any], what: str) -> Callable[[str, str], str]:
             raise SettingsError(f"{flag}: unknown {what} {v!r}; known: {', '.join(known)}")
         return v
     return check
+
+
+def _trainer(flag: str, v: str) -> str:
+    """harness, vllm, or a trainer of your own (loaded and checked: trainer_plugin)."""
+    try:
+        return trainer_plugin.check_option(flag, v)
+    except trainer_plugin.PluginError as e:
+        raise SettingsError(str(e)) from None
 
 
 def _dtype(flag: str, v: str) -> str:
@@ -270,8 +278,10 @@ OPTIONS: tuple[Option, ...] = (
         f"{k} ({v})" for k, v in facts.MODES.items()), [facts.DEFAULT_MODE],
            _choice(facts.MODES, "serving mode"), True, metavar="MODE"),
     Option("vllm_trainer", "trainer code(s): " + ", ".join(
-        f"{k} ({v})" for k, v in facts.TRAINERS.items()), [facts.DEFAULT_TRAINER],
-           _choice(facts.TRAINERS, "trainer"), True, metavar="CODE"),
+        f"{k} ({v})" for k, v in facts.TRAINERS.items()) + ", or your own: MODULE:ATTRIBUTE "
+           f"or an entry point name of group {trainer_plugin.ENTRY_POINT_GROUP} "
+           "(harness/trainer_plugin.py)", [facts.DEFAULT_TRAINER],
+           _trainer, True, metavar="CODE"),
     Option("vllm_gpus", "use at most this many GPUs", None, lambda f, v: _count(f, v, 0),
            shown_default="all visible", metavar="N"),
     Option("vllm_log_dir", "directory for per-server and per-trainer logs",

@@ -78,6 +78,9 @@ DROP_ENV = "HARNESS_VLLM_TRAINER_DROP"
 # any other (a fault test's hold or delay) is the harness path's only.
 VLLM_CODE_OPTIONS = ("device", "packed_buffer_size_bytes", "packed_num_buffers", "bucket_bytes",
                      "reprocess_tied", "master_address", "nccl_port", "wrap", "recover_in_place")
+# The options a trainer of your own takes (harness.trainer_plugin): the child's; the
+# harness path's (holds, delays, workarounds) it cannot honour, so a test asking is skipped.
+USER_CODE_OPTIONS = ("device", "recover_in_place")
 # Engines whose trainer survives a failed sync: it closes its group and opens a new one
 # with the next sync (see trainer_child._child_main); an NCCL trainer is ended instead,
 # and so is any trainer whose options say {"recover_in_place": False}.
@@ -109,7 +112,8 @@ class TrainerSpec:
     packed: bool
     dtype: str = "float32"
     device: str = "cpu"
-    code: str = "harness"            # whose trainer code: harness | vllm (cases.TRAINERS)
+    code: str = "harness"            # whose trainer code: harness | vllm | your own
+    #                                  (facts.TRAINERS; MODULE:ATTRIBUTE or NAME: trainer_plugin)
     timeout: float = 300.0           # per HTTP call
     options: tuple[tuple[str, Any], ...] = ()  # the sender's options (hashable)
 

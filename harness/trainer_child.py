@@ -6,7 +6,9 @@ spare started ahead (``--spare ENGINE CODE DEVICE FD``) that is told its spec la
 on the pipe ``FD``. The child holds the weights on its device and, for the harness's
 trainer code, the sender of its engine over a client that is timed per route and can
 lie (``LyingClient``) or hold; for vLLM's own trainer code (``spec.code == "vllm"``) a
-live Hugging Face module and ``harness.backends.vllm_code.SeedTrainer``. The deliberate
+live Hugging Face module and ``harness.backends.vllm_code.SeedTrainer``; for a trainer
+of your own (any other code: ``harness.trainer_plugin``) the same live module and your
+sender. The deliberate
 damage of the tensors (``corrupt_weights``) and of their update info (``lie_about``)
 is applied here. Only this process imports torch and vLLM's trainer API.
 """
@@ -25,8 +27,8 @@ from typing import Any, Callable
 from harness.facts import torch_dtype_name
 from harness.portable import corrupt as _portable_corrupt
 from harness.trainer import (API_KEY_ENV, DROP_ENV, FAKE_GPU_UUID, LIES, RANK0_ONLY,
-                             RECOVERS_IN_PLACE, VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS,
-                             TrainerSpec)
+                             RECOVERS_IN_PLACE, SCRATCH_ENV, USER_CODE_OPTIONS,
+                             VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS, TrainerSpec)
 
 
 # ----------------------------------------------------------------------------- corruptions
@@ -319,6 +321,98 @@ class _VllmCode:
         self.close_group()
 
 
+class _UserCode(_VllmCode):
+    """The child's state for a trainer of your own (``spec.code`` neither harness nor
+    vllm: ``harness.trainer_plugin``): your sender class, built once per group with a
+    ``TrainerContext``, over one live Hugging Face module held as the vllm trainer code
+    holds it (each sync's weights loaded into its parameters in place). It sends what it
+    sends: the harness's damage, lies and options are refused before any route is called
+    (``Unavailable``: the test skips with the reason)."""
+
+    def __init__(self, spec: TrainerSpec, options: dict):
+        super().__init__(spec, options)
+        self.sender: Any = None
+        self.opened = False
+
+    def command(self, cmd: dict) -> dict[str, Any]:
+        from harness import trainer_plugin
+        from harness.backends.vllm_code import Unavailable
+
+        what = f"a trainer of your own ({self.spec.code})"
+        if cmd["op"] == "describe":
+            raise Unavailable(f"{what}: describe is an op of the vllm trainer code")
+        if cmd.get("corrupt") or cmd.get("lie"):
+            raise Unavailable(f"{what} sends what it sends: the harness cannot damage it or "
+                              f"make it lie ({cmd.get('corrupt') or cmd.get('lie')!r} is the "
+                              "harness path's); break it by a switch of its own")
+        other = sorted(set(self.options) - set(USER_CODE_OPTIONS))
+        if other:
+            raise Unavailable(f"{what} takes no harness option ({', '.join(other)})")
+        result: dict[str, Any] = {}
+        t1 = time.monotonic()
+        self.load(cmd["weights_dir"])
+        result["load_seconds"] = time.monotonic() - t1
+        if self.sender is None:
+            t1 = time.monotonic()
+            self.sender = trainer_plugin.load(self.spec.code)(self._context())
+            result["sender_seconds"] = time.monotonic() - t1
+        if cmd["op"] == "prepare":
+            return result
+        if not self.opened:
+            t1 = time.monotonic()
+            self.sender.init()
+            self.opened = True
+            result["init_seconds"] = time.monotonic() - t1
+        peak = _CudaPeak(self.spec.device)
+        t1 = time.monotonic()
+        told = self.sender.send(self.module)
+        result["sync_seconds"] = time.monotonic() - t1
+        if told is not None and not isinstance(told, dict):
+            raise TypeError(f"{what}: send() returned {type(told).__name__}; a dict or None")
+        params = list(self.module.named_parameters())
+        result.update({"tensors": len(params), "corruption": "none",
+                       "bytes": sum(p.numel() * p.element_size() for _, p in params),
+                       "api_path": f"trainer of your own: {trainer_plugin.target(self.spec.code)}",
+                       **(told or {})})
+        result.update(peak.facts())
+        result["http_spans"] = []  # your client is not wrapped: no per-route times
+        return result
+
+    def _context(self) -> Any:
+        import tempfile
+
+        from harness.trainer_plugin import TrainerContext
+
+        spec, key = self.spec, os.environ.get(API_KEY_ENV) or None
+        scratch = tempfile.mkdtemp(prefix="user-trainer-", dir=os.environ.get(SCRATCH_ENV))
+        if spec.engine == "shm":
+            info: dict[str, Any] = {"root": tempfile.mkdtemp(prefix="shm-", dir=scratch)}
+        elif spec.engine == "nccl":
+            from harness.client import ServerClient
+            from harness.facts import free_port
+
+            world = ServerClient(spec.url, timeout=spec.timeout, api_key=key).world_size()
+            info = {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"),
+                    "world_size": world + 1, "rank_offset": 1}
+        else:
+            info = {}
+        return TrainerContext(url=spec.url, urls=(spec.url,), backend=spec.engine,
+                              packed=spec.packed, init_info=info, device=spec.device,
+                              dtype=spec.dtype, timeout=spec.timeout, api_key=key,
+                              scratch=scratch, options={})
+
+    @property
+    def has_group(self) -> bool:
+        return self.sender is not None
+
+    def close_group(self) -> None:
+        try:
+            if self.sender is not None:
+                self.sender.close()
+        finally:
+            self.sender, self.opened = None, False
+
+
 class _TimedClient:
     """The sender's client with the time of every control-plane call recorded:
     ``(route, start, end)`` in ``time.monotonic()`` seconds, which is one clock for
@@ -473,7 +567,7 @@ def _child_main(spec_json: str, result_fd: int) -> int:
     out = os.fdopen(result_fd, "w", buffering=1)
     spec = TrainerSpec(**{**json.loads(spec_json)})
     options = dict(spec.options)
-    code = (_VllmCode if spec.code == "vllm" else _HarnessCode)(spec, options)
+    code = {"vllm": _VllmCode, "harness": _HarnessCode}.get(spec.code, _UserCode)(spec, options)
     first = True
     try:
         for line in sys.stdin:

@@ -131,7 +131,7 @@ def test_disk_loaded_twin_bit_identical_bf16(synced, session, request):
 @pytest.mark.twin
 @pytest.mark.models("llama")
 @pytest.mark.dtypes("float32")
-@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
+@pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_disk_loaded_twin_bit_identical_fp32(synced, session, request):
     _twin_check(synced, session, request)
 

@@ -198,7 +198,7 @@ def test_invalid_pause_parameters_refused(session):
 
 @pytest.mark.parametrize("style_name,seed", [pytest.param("keep", 11, id="keep"),
                                              pytest.param("wait", 12, id="wait")])
-@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
+@pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_weight_update_while_requests_held(session, style_name, seed):
     style = style_or_skip(session, style_name)
     with_real_weights(session)

@@ -10,7 +10,7 @@ from harness.pool import State
 
 
 @pytest.mark.fresh_server
-@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
+@pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_gibberish_before_sync(synced):
     # Dummy weights: the server must be far from the trainer's model, by comparison
     # with the reference, not by a string heuristic.
@@ -19,7 +19,7 @@ def test_gibberish_before_sync(synced):
 
 @pytest.mark.fresh_server
 @pytest.mark.parity
-@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
+@pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_parity_after_sync(synced):
     r = synced.after
     synced.session.record(**r.metrics())
@@ -109,7 +109,7 @@ ROUNDS = 50
 
 @pytest.mark.parity
 @pytest.mark.backends("shm", "nccl-packed", "nccl-unpacked", "ipc-packed", "ipc-unpacked")
-@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
+@pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_many_syncs_through_one_group(session):
     """RL trainers open the weight-transfer group once and push hundreds of updates
     through it. Fifty updates with different weights go through the server's one
@@ -144,7 +144,7 @@ def test_many_syncs_through_one_group(session):
 
 
 @pytest.mark.parity
-@pytest.mark.trainers("harness", "vllm")  # vLLM's own trainer code too (-via-vllm)
+@pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_first_sync_on_a_new_group(session):
     """The path every trainer takes once: a new process opens the group
     (/init_weight_transfer_engine) and its very first update must be complete."""

@@ -25,7 +25,7 @@ ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", 
           "harness.trainer", "harness.server", "harness.client", "harness.layouts",
           "harness.models", "harness.reference", "harness.parity", "harness.vllm_api",
           "harness.sync", "harness.measure", "harness.environment", "harness.partition",
-          "harness.parallel", "harness.memory_lock"}
+          "harness.parallel", "harness.memory_lock", "harness.trainer_plugin"}
 
 
 def _imports(module: str) -> set[str]:
@@ -98,7 +98,8 @@ FLOORS = [
                "harness.models", "harness.vllm_api", "harness.settings", "harness.reaper",
                "harness.text", "harness.probe_cache", "harness.plan", "harness.backends",
                "harness.measure", "harness.environment", "harness.sync",
-               "harness.partition", "harness.startup", "harness.memory_lock"}),
+               "harness.partition", "harness.startup", "harness.memory_lock",
+               "harness.trainer_plugin"}),
     ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
                "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
                "harness.frontends", "harness.lora"}),
