@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import faults, models, reaper, startup
 from .server import ServerConfig, ServerError, VLLMServer
-from .trainer import Trainer, TrainerError, TrainerSpec
+from .trainer import Spares, Trainer, TrainerError, TrainerSpec, trainer_env
 
 
 SAMPLE_EVERY_S = 5.0
@@ -204,6 +204,10 @@ class ServerPool:
             again = cfg in self._ever
             self._ever.add(cfg)
             why = self._stopped_why.pop(cfg, "it was stopped earlier")
+        # Its planned trainers' processes start with it and import while it starts
+        # (10-20 s on 2 cores, which the server's three processes importing one after
+        # another leave room for); each takes its trainer's spec once the server is up.
+        early = self._early_trainers(cfg)
         try:
             try:  # a zoo model is built in its server's start, beside the other starts
                 models.ensure_built(cfg.model)
@@ -211,6 +215,10 @@ class ServerPool:
                 raise ServerError(f"cannot start {cfg.describe()}: {e}") from None
             built = time.monotonic() - t0
             srv.start()
+        except BaseException:
+            for spare in early:
+                spare.discard()
+            raise
         finally:
             with self._lock:
                 self._booting.pop(cfg, None)
@@ -225,7 +233,7 @@ class ServerPool:
             record["restart_reason"] = why
         if cfg in self._unplanned:
             record["unplanned"] = f"not in the plan; started for {self._unplanned[cfg]}"
-        record.update(self._prepare_trainers(cfg, srv))
+        record.update(self._prepare_trainers(cfg, srv, early))
         with self._lock:
             self.started.append(record)
             if again:
@@ -233,14 +241,32 @@ class ServerPool:
                                       "at": record["started_at"]})
         return srv
 
-    def _prepare_trainers(self, cfg: ServerConfig, srv: VLLMServer) -> dict:
-        """The planned trainers of a server that just came up, started and prepared."""
+    def _early_trainers(self, cfg: ServerConfig) -> list:
+        """One process per planned trainer of ``cfg``, started now (``Spares.spawn``)."""
+        return [Spares.spawn(spec, trainer_env(None, cfg.api_key), self.log_dir)
+                for spec, _ in self._warm.get(cfg, [])]
+
+    def _prepare_trainers(self, cfg: ServerConfig, srv: VLLMServer,
+                          early: list | None = None) -> dict:
+        """The planned trainers of a server that just came up, started (taking over
+        ``early``'s processes, one each, in order) and prepared."""
         out: dict = {}
+        early = list(early or [])
+        try:
+            self._prepare_each(cfg, srv, early, out)
+        finally:
+            for spare in early:  # one the loop did not reach
+                spare.discard()
+        return out
+
+    def _prepare_each(self, cfg: ServerConfig, srv: VLLMServer, early: list,
+                      out: dict) -> None:
         for spec, weights in self._warm.get(cfg, []):
             spec = dataclasses.replace(spec, url=srv.url)
             # off the tests' path: the spares are kept for the fresh trainers tests wait for
             t = Trainer(spec, log_dir=self.log_dir, context=srv.describe_failure,
-                        api_key=cfg.api_key, spares=False)
+                        api_key=cfg.api_key, spares=False,
+                        spare=early.pop(0) if early else None)
             t0 = time.monotonic()
             try:
                 t.prepare(weights, timeout=self.start_timeout)
@@ -252,7 +278,6 @@ class ServerPool:
             out["trainer_prepare_seconds"] = round(time.monotonic() - t0, 3)
             with self._lock:
                 self.trainers.setdefault((cfg, spec), t)
-        return out
 
     # ------------------------------------------------------------------ servers
     def get(self, cfg: ServerConfig, *, new_engine: bool = False,

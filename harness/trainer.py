@@ -124,12 +124,27 @@ class TrainerSpec:
 
 # ----------------------------------------------------------------------------- parent
 
+def trainer_env(env: dict | None = None, api_key: str | None = None) -> dict:
+    """The environment a trainer process starts with: ``env`` (else this process's),
+    tagged for the reaper, with the API key the server wants."""
+    from harness import reaper
+
+    env = reaper.tagged(os.environ if env is None else env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop(API_KEY_ENV, None)
+    env.pop(SCRATCH_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
 class Trainer:
     """One trainer process for one server and backend variant; ``sync`` many times."""
 
     def __init__(self, spec: TrainerSpec, *, log_dir: Path,
                  context: Callable[[], str] | None = None, env: dict | None = None,
-                 api_key: str | None = None, spares: bool = True):
+                 api_key: str | None = None, spares: bool = True,
+                 spare: "_Spare | None" = None):
         self.spec = spec
         self.spares = spares  # take over a spare, and start the next one (SPARES)
         self.log_dir = Path(log_dir)
@@ -145,6 +160,9 @@ class Trainer:
         # how the process came to be, told with the first result it gives: seconds to
         # start it (or take over a spare), and whether it was a spare
         self._started: dict[str, Any] | None = None
+        # a spare started for this trainer alone (Spares.spawn, with trainer_env's
+        # environment of the same env and api_key), that its first command takes over
+        self._own_spare = spare
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -154,18 +172,16 @@ class Trainer:
         return self.proc.pid if self.proc is not None else None
 
     def _start(self) -> None:
-        from harness import reaper
-
-        env = reaper.tagged(os.environ if self.env is None else self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = trainer_env(self.env, self.api_key)
         t0 = time.monotonic()
         RETIRING.poll()
-        env.pop(API_KEY_ENV, None)
-        env.pop(SCRATCH_ENV, None)
-        if self.api_key:
-            env[API_KEY_ENV] = self.api_key
         spec = dataclasses.asdict(self.spec)
-        spare = SPARES.take(env, self.spec) if self.spares else None
+        spare, self._own_spare = self._own_spare, None
+        if spare is not None and spare.proc.poll() is not None:
+            spare.discard()  # it died importing (its log says why): start afresh
+            spare = None
+        if spare is None and self.spares:
+            spare = SPARES.take(env, self.spec)
         if spare is not None:  # imports done already: tell it who it is
             try:
                 spare.proc.stdin.write((json.dumps({"op": "become", "spec": spec},
@@ -313,6 +329,9 @@ class Trainer:
         self.proc, self._results, self.scratch = None, None, None
 
     def kill(self) -> None:
+        if self._own_spare is not None:
+            self._own_spare.discard()
+            self._own_spare = None
         if self.proc is not None:
             _kill_session(self.proc)
             for f in (self.proc.stdin,):
@@ -460,6 +479,13 @@ class Spares:
         env = {k: v for k, v in env.items() if k not in VOLATILE_ENV}
         return (spec.engine, spec.code, spec.device, tuple(sorted(env.items())))
 
+    @staticmethod
+    def spawn(spec: TrainerSpec, env: dict, log_dir: Path) -> _Spare:
+        """A spare for ``spec``'s engine, trainer code and device, started now."""
+        proc, log_path, scratch, results = _spawn(
+            ["--spare", spec.engine, spec.code, spec.device], env, log_dir, "spare")
+        return _Spare(proc, log_path, scratch, results)
+
     def take(self, env: dict, spec: TrainerSpec) -> _Spare | None:
         idle = self._idle.get(self._key(env, spec), [])
         while idle:
@@ -476,10 +502,7 @@ class Spares:
         key = self._key(env, spec)
         idle = self._idle.setdefault(key, [])
         while len(idle) < self.count:
-            proc, log_path, scratch, results = _spawn(
-                ["--spare", spec.engine, spec.code, spec.device], env,
-                self.log_dir or log_dir, "spare")
-            idle.append(_Spare(proc, log_path, scratch, results))
+            idle.append(self.spawn(spec, env, self.log_dir or log_dir))
         # Each spare holds a process's memory, and on a GPU a CUDA context: at most
         # MAX_KEYS keys keep spares, the one least recently replenished gives way.
         self._idle[key] = self._idle.pop(key)  # the most recent, last

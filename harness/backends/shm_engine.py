@@ -12,6 +12,7 @@ model_config, device)`` (the ``VLLM_RELOAD_MODE`` it selects, and the process-wi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from harness import vllm_api
+
+# A deliberate break, as HARNESS_VLLM_TRAINER_DROP is on the trainer's side: set in the
+# server's environment (a server inherits the pytest process's), every update is read
+# and checked as usual and then not loaded, and the reload lifecycle around it is not
+# run, so the server keeps the weights it had while every route answers 200. It shows
+# a run failing against a server whose updates do not land (docs/planning.md, "Time to
+# the first failure").
+DISCARD_ENV = "HARNESS_SHM_DISCARD_UPDATES"
 
 
 @dataclass
@@ -96,10 +105,14 @@ class ShmWeightTransferEngine(
         self.retained = [] if init_info.retain_updates else None
 
     def start_weight_update(self) -> None:
+        if os.environ.get(DISCARD_ENV):
+            return
         start, _ = vllm_api.reload_lifecycle()
         start(self.model)
 
     def finish_weight_update(self) -> None:
+        if os.environ.get(DISCARD_ENV):
+            return
         _, finish = vllm_api.reload_lifecycle()
         finish(self.model, self.model_config, self.device)
         if self.reprocess_tied:
@@ -135,6 +148,8 @@ class ShmWeightTransferEngine(
                 weights.append((name, t.to(self.device)))
         if self.retained is not None:
             self.retained.append([t.clone() for _, t in weights])
+        if os.environ.get(DISCARD_ENV):
+            return
         with vllm_api.mtp_guard():
             self.model.load_weights(weights)
 
