@@ -25,7 +25,8 @@ can lie about them (``lie``): the update info then disagrees with what is sent.
 This module is the parent's half: the ``Trainer`` the session holds, the spec it
 starts a child with, the errors, and the names parent and child agree on. What runs in
 the child (the weights, the damage, the lies, the two trainer codes, the command loop)
-is ``harness.trainer_child``; its public names are importable from here too.
+is ``harness.trainer_child``, which imports the names it shares from here (never the
+other way round: the parent does not load the child's code).
 """
 
 from __future__ import annotations
@@ -556,17 +557,3 @@ def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = No
         t.retire() if log_dir is not None else t.close()
         result["close_seconds"] = time.monotonic() - t0
         return result
-
-
-# What runs in the child, importable from here as before; loaded on first use, so that
-# the parent does not import it and ``python -m harness.trainer_child`` loads it once.
-_CHILD_NAMES = ("corrupt_weights", "lie_about", "LyingClient", "_SwitchableClient",
-                "_TimedClient", "_CudaPeak", "_Weights")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CHILD_NAMES:
-        from harness import trainer_child
-
-        return getattr(trainer_child, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

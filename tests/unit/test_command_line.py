@@ -87,22 +87,22 @@ def test_gpu_run_requires_the_gpu_cases_to_run(tmp_path):
 # ----------------------------------------------------------------------------- known_issues
 
 def test_known_issues_refuses_a_word_that_is_not_a_version(capsys):
-    from harness import known_issues
+    from harness import known_issues_cli
 
-    assert known_issues.main(["notaversion"]) == 2
+    assert known_issues_cli.main(["notaversion"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == ("python -m harness.known_issues: 'notaversion' is not a vLLM "
                                  "version (e.g. 0.32.0)\n")
 
 
 def test_known_issues_help_helps(capsys):
-    from harness import known_issues
+    from harness import known_issues_cli
 
-    assert known_issues.main(["--help"]) == 0
+    assert known_issues_cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m harness.known_issues") and "verify" in out
     assert "applies to vLLM --help" not in out
-    assert known_issues.main(["0.32.0"]) == 0
+    assert known_issues_cli.main(["0.32.0"]) == 0
     assert "applies to vLLM 0.32.0" in capsys.readouterr().out
 
 
@@ -145,9 +145,9 @@ def test_bad_input_is_one_line_in_one_style_and_exit_2(argv, says, capsys, monke
 
 
 def test_the_small_commands_say_errors_in_the_same_style(capsys, tmp_path):
-    from harness import known_issues
+    from harness import known_issues_cli
 
-    assert known_issues.main(["verify", str(tmp_path / "missing.json")]) == 2
+    assert known_issues_cli.main(["verify", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m harness.known_issues verify: ") and err.count("\n") == 1
     assert reaper.main(["--nope"]) == 2

@@ -11,7 +11,7 @@ from harness.backends import VARIANTS
 from harness.cases import Case, server_config_for
 from harness.reference import PromptReference, Reference
 from harness.server import ServerConfig, ServerError, VLLMServer, build_command
-from harness.trainer import corrupt_weights
+from harness.trainer_child import corrupt_weights
 
 
 def _ref(dtype="float32"):

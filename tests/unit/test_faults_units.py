@@ -20,8 +20,8 @@ from harness import faults, reaper, settings
 from harness.client import ServerClient
 from harness.pool import Holding, ServerPool, ServerUnavailable, State
 from harness.server import ServerConfig, build_command, build_env
-from harness.trainer import (API_KEY_ENV, FAKE_GPU_UUID, LIES, LyingClient, Trainer, TrainerError,
-                             TrainerSpec, corrupt_weights, lie_about)
+from harness.trainer import API_KEY_ENV, FAKE_GPU_UUID, LIES, Trainer, TrainerError, TrainerSpec
+from harness.trainer_child import LyingClient, corrupt_weights, lie_about
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -212,7 +212,7 @@ def test_rank0_only_sends_the_update_to_global_worker_rank_0_alone():
 
 
 def test_the_trainers_client_lies_for_one_sync_and_can_hold_an_update_open(capsys):
-    from harness.trainer import _SwitchableClient
+    from harness.trainer_child import _SwitchableClient
 
     seen = []
     inner = types.SimpleNamespace(update_weights=seen.append, start_weight_update=lambda: "ok")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness import known_issues as ki
+from harness import known_issues_cli as kcli
 from harness import known_issues_verify as kv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +65,7 @@ def test_cli_names_the_tests_an_entry_is_wrong_about(tmp_path, capsys):
     r = tmp_path / "r.json"
     r.write_text(json.dumps(_report(tests=[_test(), _test(nodeid=fixed, outcome="failed",
                                                           xpass=True)])))
-    assert ki.main(["verify", "--file", str(toml), str(r)]) == 0
+    assert kcli.main(["verify", "--file", str(toml), str(r)]) == 0
     out = capsys.readouterr().out
     assert f"ok       bug 0.32.0: known in {r}; FIXED there for 1 test(s), " \
            f"the entry is wrong about them: {fixed}" in out
@@ -166,20 +167,20 @@ def test_cli_exit_codes(tmp_path, capsys):
                     'checked = ["0.26.0", "0.32.0"]\n')
     good = tmp_path / "a.json"
     good.write_text(json.dumps(_report(tests=[_test()])))
-    assert ki.main(["verify", "--file", str(toml), str(good)]) == 1
+    assert kcli.main(["verify", "--file", str(toml), str(good)]) == 1
     out = capsys.readouterr().out
     assert "ok       bug 0.32.0: known in" in out
     assert "NOT RUN  bug 0.26.0: no report of vLLM 0.26.0" in out
     assert "1 of 2 checked versions backed by a run; 1 not" in out
     old = tmp_path / "b.json"
     old.write_text(json.dumps(_report(version="0.26.0", tests=[_test()])))
-    assert ki.main(["verify", "--file", str(toml), str(good), str(old)]) == 0
+    assert kcli.main(["verify", "--file", str(toml), str(good), str(old)]) == 0
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
-    assert ki.main(["verify", "--file", str(toml), str(bad)]) == 2
+    assert kcli.main(["verify", "--file", str(toml), str(bad)]) == 2
     assert f"{bad}: cannot read a JSON report" in capsys.readouterr().err
     bad.write_text("{}")
-    assert ki.main(["verify", "--file", str(toml), str(bad)]) == 2
+    assert kcli.main(["verify", "--file", str(toml), str(bad)]) == 2
     assert "not a run report" in capsys.readouterr().err
 
 

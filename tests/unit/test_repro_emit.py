@@ -506,7 +506,7 @@ def _weights():
 @pytest.mark.parametrize("kind", corrupt.CORRUPTIONS)
 def test_corruptions_are_the_harness_trainers(kind, emitted):
     """A script holds its scenario's corruption only, and damages as the harness does."""
-    from harness.trainer import corrupt_weights
+    from harness.trainer_child import corrupt_weights
 
     script = emitted("nccl", "--corrupt", kind)
     text = Path(script.__file__).read_text()

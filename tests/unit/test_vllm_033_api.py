@@ -24,7 +24,7 @@ import pytest
 
 from harness import vllm_api
 from harness.portable import trainer_api
-from harness.trainer import LyingClient
+from harness.trainer_child import LyingClient
 
 torch = pytest.importorskip("torch")
 

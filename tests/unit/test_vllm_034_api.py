@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from harness import vllm_api
-from harness.trainer import LyingClient
+from harness.trainer_child import LyingClient
 
 
 
