@@ -27,9 +27,9 @@ def test_bench_shm_prints_the_table_and_writes_json_and_plot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "harness.cli", "bench", "--vllm-backend", "shm",
          "--sizes", "0.01,0.03", "--warm", "2", "--out", str(out),
-         "--vllm-log-dir", str(tmp_path / "logs"), "--vllm-start-timeout", "300",
+         "--vllm-log-dir", str(tmp_path / "logs"), "--vllm-start-timeout", "900",
          "--vllm-sync-timeout", "120"],
-        capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
+        capture_output=True, text=True, timeout=1500, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # progress on stderr, one line per sync: a cold and two warm per size
     assert proc.stderr.count("shm 0.01 GB: ") == 3 and proc.stderr.count("shm 0.03 GB: ") == 3

@@ -327,6 +327,9 @@ def _body(s, **kw) -> dict:
             "ignore_eos": True, **kw}
 
 
+SINGLES, ATTEMPTS = 6, 6  # requests beside the n=4 one; tries at catching them running
+
+
 def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
     """Requests running (one with n=4) when ``/sleep?level=1&mode=abort`` comes: each
     ends, none hangs; those still running end with finish_reason "abort". A request
@@ -337,11 +340,12 @@ def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
     ref = s.reference()
     c = s.client
     bodies = {"n=4": _body(s, max_tokens=480, n=4, temperature=1.0, seed=7),
-              **{f"single-{i}": _body(s, max_tokens=480, temperature=0.0) for i in range(3)}}
+              **{f"single-{i}": _body(s, max_tokens=480, temperature=0.0)
+                 for i in range(SINGLES)}}
     # On a loaded host the requests can all finish before the sleep reaches the
-    # engine: then the scenario did not happen, the server is woken and it is tried
-    # again, three times at most.
-    for attempt in range(3):
+    # engine (seen in CI: 3 of 3 attempts): then the scenario did not happen, the server
+    # is woken and it is tried again, ATTEMPTS times at most.
+    for attempt in range(ATTEMPTS):
         out: dict = {}
         threads = [threading.Thread(target=_complete_raw, args=(c.clone(), b, out, k),
                                     daemon=True) for k, b in bodies.items()]
@@ -363,7 +367,7 @@ def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
         reasons = {k: [ch.get("finish_reason") for ch in v.json().get("choices", [])]
                    if v.status_code == 200 else f"HTTP {v.status_code}: {v.text[:200]}"
                    for k, v in out.items()}
-        if any("abort" in v for v in reasons.values()) or attempt == 2:
+        if any("abort" in v for v in reasons.values()) or attempt == ATTEMPTS - 1:
             break
         c.wake_up()
     s.record(sleep_answer=answer, finish_reasons=reasons, attempts=attempt + 1)
@@ -372,7 +376,7 @@ def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
     assert not bad, f"{where(s)}: requests around /sleep?mode=abort ended so: {bad}"
     assert len(reasons["n=4"]) == 4, f"{where(s)}: the n=4 request came back with {reasons['n=4']}"
     assert any("abort" in v for v in reasons.values()), (
-        f"{where(s)}: no request was aborted by the sleep in 3 attempts (all had finished: "
+        f"{where(s)}: no request was aborted by the sleep in {ATTEMPTS} attempts (all had finished: "
         f"{reasons}); the scenario did not happen")
     assert_state(s, sleeping=True, what="after /sleep?mode=abort")
 
