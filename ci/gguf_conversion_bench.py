@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.models import _gguf_parsed_once
+from harness.models.zoo import _gguf_parsed_once
 from harness.portable.recipes import build_smollm2
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "once"

@@ -30,7 +30,7 @@ fi
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv > "$out/gpus.csv" 2>&1 || true
 limit=()
 [ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=30 "$GPU_RUN_SECONDS")
-# Tests side by side (pytest-xdist, whole servers per worker: harness/parallel.py):
+# Tests side by side (pytest-xdist, whole servers per worker: harness/run/parallel.py):
 # GPU_RUN_WORKERS workers, "auto" (the host's concurrent starts, at most 8) unless the
 # arguments name -n themselves; 0 runs the tests one after another.
 workers=()

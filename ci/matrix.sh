@@ -7,7 +7,7 @@
 #
 # For each release X it builds (or reuses) MATRIX_ROOT/vllm-X, runs pytest there with
 # --harness-report reports/matrix/cpu-vllm-X.json, and keeps the log in
-# MATRIX_ROOT/logs/. Then `python -m harness.matrix` renders every report under
+# MATRIX_ROOT/logs/. Then `python -m harness.commands.matrix` renders every report under
 # reports/matrix/ into reports/matrix/matrix.txt (releases not named this time stay in
 # the table: their reports are kept).
 #
@@ -204,7 +204,7 @@ for v in "${RELEASES[@]}"; do
 done
 
 last=$MATRIX_ROOT/vllm-${RELEASES[-1]}
-(cd "$SRC" && "$last/bin/python" -m harness.matrix "$REPORTS"/cpu-vllm-*.json) > "$REPORTS/matrix.txt"
+(cd "$SRC" && "$last/bin/python" -m harness.commands.matrix "$REPORTS"/cpu-vllm-*.json) > "$REPORTS/matrix.txt"
 cat "$REPORTS/matrix.txt"
 log "table written to $REPORTS/matrix.txt"
 exit $rc_all

@@ -51,7 +51,7 @@ import importlib.metadata as md
 import importlib.util
 import torch, transformers, vllm
 import pyflakes  # noqa: F401  (the emitted scripts' lint tests run, not skip)
-import harness.plugin  # noqa: F401  (the pytest plugin imports cleanly)
+import harness.pytest.plugin  # noqa: F401  (the pytest plugin imports cleanly)
 from harness.portable.recipes import smollm2_gguf_path
 smollm2_gguf_path()  # SmolLM2's GGUF is there, without llama.cpp
 for left_out in ("torchvision", "torchaudio", "llama_cpp"):

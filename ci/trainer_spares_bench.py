@@ -17,7 +17,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
                 str(Path(__file__).resolve().parents[1] / "tests")]
 
 from harness import models  # noqa: E402
-from harness.trainer import SPARES, Trainer, TrainerSpec  # noqa: E402
+from harness.trainer.handle import SPARES, Trainer, TrainerSpec  # noqa: E402
 from test_trainer_process import _serve_routes  # noqa: E402
 
 

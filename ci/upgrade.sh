@@ -150,7 +150,7 @@ run_suite "$NEW" "$NEW_VENV"
 
 DIFF_FILE="reports/upgrade-$OLD-to-$NEW.txt"
 set +e
-(cd "$SRC" && "$NEW_VENV/bin/python" -m harness.diff "$ROOT/reports/$STACK-vllm-$OLD.json" \
+(cd "$SRC" && "$NEW_VENV/bin/python" -m harness.commands.diff "$ROOT/reports/$STACK-vllm-$OLD.json" \
   "$ROOT/reports/$STACK-vllm-$NEW.json") > "$DIFF_FILE"
 rc=$?
 set -e

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest --vllm-trainer examples.shm_sender:ShmSender -k shm
 
 The harness builds ``ShmSender(ctx)`` in its trainer process (``ctx``: what
-harness/trainer_plugin.py's ``TrainerContext`` holds), calls ``init()`` once,
+harness/trainer/user.py's ``TrainerContext`` holds), calls ``init()`` once,
 ``send(model)`` after every training step and ``close()`` at the end. The control plane
 is vLLM's HTTP routes, posted with requests; the data plane is the harness's CPU
 ``shm`` engine: each bucket of tensors is a safetensors file under the root the server
@@ -20,7 +20,7 @@ import os
 import requests
 from safetensors.torch import save_file
 
-from harness.facts import update_info  # names, dtype_names, shapes: vLLM's update info
+from harness.core.facts import update_info  # names, dtype_names, shapes: vLLM's update info
 from harness.portable.bucketing import buckets
 
 BUCKET_BYTES = 16 << 20

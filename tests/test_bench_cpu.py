@@ -25,7 +25,7 @@ def test_bench_shm_prints_the_table_and_writes_json_and_plot(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "bench", "--vllm-backend", "shm",
+        [sys.executable, "-m", "harness.commands.cli", "bench", "--vllm-backend", "shm",
          "--sizes", "0.01,0.03", "--warm", "2", "--out", str(out),
          "--vllm-log-dir", str(tmp_path / "logs"), "--vllm-start-timeout", "900",
          "--vllm-sync-timeout", "120"],

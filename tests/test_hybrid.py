@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from harness.parity import NonFiniteOutput, assert_parity, within_tolerance
+from harness.oracles.parity import NonFiniteOutput, assert_parity, within_tolerance
 
 pytestmark = [pytest.mark.parity, pytest.mark.models("nemotron-h"), pytest.mark.dtypes("float32")]
 

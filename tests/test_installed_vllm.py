@@ -1,4 +1,4 @@
-"""harness.vllm_api against the installed vLLM, in child processes: the capability
+"""harness.vllm.api against the installed vLLM, in child processes: the capability
 probe, whether vLLM's engine modules import, and that importing the harness loads
 neither torch nor vLLM. No server, but each test imports vLLM in a child (seconds).
 """
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harness import vllm_api
+from harness.vllm import api as vllm_api
 
 pytest.importorskip("vllm")
 
@@ -50,7 +50,7 @@ def test_probe_on_vllm_032_picks_the_trainer_factory():
 
 
 def test_importing_the_harness_modules_loads_no_torch_or_vllm():
-    code = ("import sys, harness.vllm_api, harness.backends.nccl, harness.backends.ipc; "
+    code = ("import sys, harness.vllm.api, harness.transfer.nccl, harness.transfer.ipc; "
             "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout

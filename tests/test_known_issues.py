@@ -89,7 +89,7 @@ def test_shm_engine_update_weights_without_accelerator(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from harness.backends.shm_engine import ShmWeightTransferEngine
+    from harness.transfer.shm_engine import ShmWeightTransferEngine
 
     model = _FakeModel()
     loaded = {}
@@ -114,7 +114,7 @@ def test_partial_update_keeps_unsent_weights(session):
     partial-fused-update-uninitialized-shard: for llama the left-out q_proj is one shard
     of the fused qkv_proj; layerwise reload rebuilds the layer from fresh memory and
     loads only the k/v shards it received, so q holds whatever that memory held."""
-    from harness import parity
+    from harness.oracles import parity
 
     ref = session.reference()
     session.sync()                      # the full model: parity

@@ -1,9 +1,9 @@
 """LoRA adapters as RL uses them: the base weights synced, the adapter swapped by path.
 
-A server started with ``--enable-lora`` (feature ``lora``, harness.cases.FEATURES) and
+A server started with ``--enable-lora`` (feature ``lora``, harness.run.cases.FEATURES) and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. The seed flow syncs the base weights through
 the case's backend (shm on CPU, IPC or NCCL on GPUs); then the trainer saves a PEFT
-adapter (harness.lora: q_proj/v_proj, B drawn nonzero) and loads it through
+adapter (harness.trainer.lora: q_proj/v_proj, B drawn nonzero) and loads it through
 ``POST /v1/load_lora_adapter``. Rollouts that name the adapter as their model must match
 Hugging Face with the same adapter applied (peft's PeftModel over the reference model),
 within the dtype's tolerance.
@@ -28,8 +28,9 @@ import time
 
 import pytest
 
-from harness import lora, parity
-from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
+from harness.trainer import lora
+from harness.oracles import parity
+from harness.oracles.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytest.importorskip("peft", reason="the LoRA tests write adapters with peft: pip install "
                     "'weight-sync-harness[lora]' (or pip install peft)")
@@ -253,7 +254,7 @@ def test_lora_inplace_reload_from_the_same_path(synced, session, tmp_path):
     must_load(s, name, step_dir)
     client = lora.adapter_client(s.client, name)
     try:
-        from harness import flow
+        from harness.run import flow
 
         before = parity.compare_generation(flow.observe_generation(client, long_a), long_a,
                                            decode=s.decode)  # fills the prefix cache

@@ -2,7 +2,7 @@
 
 * every architecture of the zoo x float32 / bfloat16, synced and compared with Hugging
   Face: teacher-forced logprobs of every position, top-k membership and values, finite
-  logits, greedy identity (``harness.parity``; tolerances in ``parity.TOLERANCES``,
+  logits, greedy identity (``harness.oracles.parity``; tolerances in ``parity.TOLERANCES``,
   measured in docs/tolerances.md);
 * a disk-loaded twin: the same weights loaded from disk by a second server must give
   the synced server's logprobs bit for bit (same kernels, same dtype) -- any difference
@@ -17,15 +17,16 @@
 Server starts dominate the cost (30-60 s each on CPU), so every test here reuses the
 pooled server of its case (same config = same server) and the shared seed flow
 (``synced``); only the twin starts a second server. Real vLLM bugs stay visible as
-strict, version-scoped xfails (harness/known_issues.toml; docs/known-issues.md).
+strict, version-scoped xfails (harness/known_issues/known_issues.toml; docs/known-issues.md).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness import flow, parity
-from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
+from harness.run import flow
+from harness.oracles import parity
+from harness.oracles.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytestmark = pytest.mark.parity
 
@@ -53,7 +54,7 @@ LONG_MIN_TOKENS = 2 * 128 + 1
 LONG_MAX_TOKENS = 8
 
 
-# Real vLLM bugs these tests hit are entries of harness/known_issues.toml (strict,
+# Real vLLM bugs these tests hit are entries of harness/known_issues/known_issues.toml (strict,
 # version-scoped xfails): cpu-tied-lm-head-stale-after-reload,
 # cpu-moe-reload-unpacked-experts, prefix-cache-survives-weight-update.
 
@@ -142,7 +143,7 @@ def test_disk_loaded_twin_bit_identical_fp32(synced, session, request):
 def test_disk_loaded_twin_bit_identical_hybrid(synced, session, request):
     """The Mamba/attention hybrid in float32: its state-space tensors (A_log, D, dt_bias,
     conv1d) reach the synced server as a disk load puts them there. A second server, so
-    it runs at --harness-depth full only (plugin._beyond_quick)."""
+    it runs at --harness-depth full only (parametrize._beyond_quick)."""
     _twin_check(synced, session, request)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import parity
+from harness.oracles import parity
 from harness.pause import admission
 from harness.pause import checks as pc
 from harness.pause import concurrency as pconc

@@ -2,7 +2,7 @@
 server and fails against one that breaks exactly the behaviour it checks; so do the
 /is_paused confirmations of ``ServerClient.pause``/``resume``.
 
-The stand-in (harness/standin.py) is a pure-Python HTTP server on 127.0.0.1; no
+The stand-in (harness/testing/standin.py) is a pure-Python HTTP server on 127.0.0.1; no
 vLLM is involved, so these run in seconds and on any machine. Requests go through
 the openai SDK, as against a real server.
 """
@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from harness.client import STATE_CONFIRM_S, PauseStateError, ServerClient
 from harness.pause import PauseCheckFailure
 from harness.pause import checks as pc
 from harness.pause import concurrency as pconc
 from harness.pause.openapi import discover_pause_api, pause_capabilities, read_pause_api
-from harness.standin import MISBEHAVIOURS, StandinServer
+from harness.testing.standin import MISBEHAVIOURS, StandinServer
+from harness.vllm.client import STATE_CONFIRM_S, PauseStateError, ServerClient
 
 pytestmark = pytest.mark.selftest
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, repro_emit
+from harness.commands import cli
+from harness.commands.repro import emit as repro_emit
 
 if importlib.util.find_spec("vllm") is None:  # asked without importing vLLM here
     pytest.skip("needs vLLM installed", allow_module_level=True)
@@ -58,8 +59,8 @@ def test_the_shm_plugin_registers_the_engine_in_a_vllm_process(tmp_path):
 
 
 def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
-    """The script's detection and harness.vllm_api's, on the vLLM installed here."""
-    from harness import vllm_api
+    """The script's detection and harness.vllm.api's, on the vLLM installed here."""
+    from harness.vllm import api as vllm_api
 
     probe = vllm_api.probe(isolated=True)
     code = ("import harness.portable.trainer_api as s\n"
@@ -82,7 +83,7 @@ def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
 
 def test_an_emitted_script_holds_the_installed_vllms_trainer_api(tmp_path):
     """Without --trainer-api, a script holds the API the installed release offers."""
-    from harness import vllm_api
+    from harness.vllm import api as vllm_api
 
     probe = vllm_api.probe(isolated=True)
     for engine in ("nccl", "ipc"):

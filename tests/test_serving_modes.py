@@ -28,8 +28,8 @@ import threading
 
 import pytest
 
-from harness import parity
-from harness.parity import assert_parity, within_tolerance  # shared with the other test modules
+from harness.oracles import parity
+from harness.oracles.parity import assert_parity, within_tolerance  # shared with the other test modules
 
 pytestmark = [pytest.mark.parity, pytest.mark.modes("graphs"), pytest.mark.models("llama"),
               pytest.mark.dtypes("bfloat16")]

@@ -24,7 +24,7 @@ adds ``/release_kv_cache_memory`` and level 0 (pause only).
 * without --enable-sleep-mode (any host): /sleep and /wake_up are a pause and a resume
   that free nothing and keep the weights.
 
-On a CPU server the sleep-mode cases skip (harness.cases.FEATURES says why).
+On a CPU server the sleep-mode cases skip (harness.run.cases.FEATURES says why).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ import time
 
 import pytest
 
-from harness import client, parity
-from harness.parity import within_tolerance  # shared with the other test modules
-from harness.pool import State
+from harness.vllm import client
+from harness.oracles import parity
+from harness.oracles.parity import within_tolerance  # shared with the other test modules
+from harness.run.pool import State
 
 # One IPC variant: sleep and wake act on the server's memory, whichever way the trainer
 # packs the update (shm for the CPU layout, where the cases say why they skip).
@@ -84,7 +85,7 @@ def vllm_freed_gib(s) -> float | None:
 
 
 def assert_freed(s, mem: dict, level: int) -> None:
-    """The 2 GiB KV cache (harness.cases.GPU_KV_CACHE_BYTES) goes at either level:
+    """The 2 GiB KV cache (harness.run.cases.GPU_KV_CACHE_BYTES) goes at either level:
     at least 1 GiB freed, by vLLM's own count, else by nvidia-smi's."""
     said = vllm_freed_gib(s)
     mem["vllm_says_freed_gib"] = said

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from harness import parity
-from harness.pool import State
+from harness.oracles import parity
+from harness.run.pool import State
 
 
 @pytest.mark.fresh_server

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import parity
+from harness.oracles import parity
 
 pytestmark = [pytest.mark.parity, pytest.mark.layouts("cpu-tp2", "3gpu-tp2"),
               pytest.mark.models("llama"), pytest.mark.dtypes("float32")]

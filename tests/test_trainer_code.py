@@ -4,7 +4,7 @@ vLLM's ``rlhf_http_ipc.py`` pushes a live model with ``WeightTransferTrainerFact
 .trainer_init(IPCTrainerInitInfo(rank=0, packed=False), client=HTTPVLLMWeightSyncClient
 (BASE_URL), source=ModuleSource(train_model))`` and ``engine.send_weights()``. Cases
 with trainer ``vllm`` (ids ending ``-via-vllm``) run exactly that for the installed
-release (``harness.backends.vllm_code``; on CPU the harness's ``shm`` trainer engine is
+release (``harness.transfer.vllm_code``; on CPU the harness's ``shm`` trainer engine is
 registered with vLLM's trainer factory). tests/test_sync.py, test_parity.py and
 test_pause_resume.py pin their seed flow, repeated syncs, pause and twin tests to both
 trainer codes; this file holds what only the vllm path has:
@@ -39,11 +39,12 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness import models, parity
-from harness.facts import free_port
-from harness.flow import resolve_model_path, trainer_spec
-from harness.trainer import (Trainer, TrainerCodeUnavailable, TrainerError, TrainerSpec,
-                             run_trainer)
+from harness import models
+from harness.core.facts import free_port
+from harness.oracles import parity
+from harness.run.flow import resolve_model_path, trainer_spec
+from harness.trainer.handle import (Trainer, TrainerCodeUnavailable, TrainerError, TrainerSpec,
+                                    run_trainer)
 
 REPO = Path(harness.__file__).resolve().parents[1]
 KEY = "harness-trainer-code-key"
@@ -259,9 +260,9 @@ def test_the_vllm_path_skips_what_only_the_harness_path_can_do(stand_in_runs, re
 ENGINE_CONVENTIONS = r"""
 import sys
 import torch
-from harness import vllm_api
-from harness.backends import shm, vllm_code
-from harness.backends.shm_trainer_engine import ShmTrainerInitInfo, ShmTrainerWeightTransferEngine
+from harness.vllm import api as vllm_api
+from harness.transfer import shm, vllm_code
+from harness.transfer.shm_trainer_engine import ShmTrainerInitInfo, ShmTrainerWeightTransferEngine
 
 url = sys.argv[1]
 ok, why = shm.register_trainer()
@@ -547,13 +548,13 @@ def test_a_dead_server_as_each_client_reports_it(case, tmp_path, request):
 
 KEYED_SESSION = '''
 import pytest
-from harness import parity
+from harness.oracles import parity
 
 @pytest.mark.trainers("vllm")
 def test_the_vllm_path_with_an_api_key(harness):
-    ref = harness.reference()
+    ref = harness.oracles.reference()
     try:
-        result = harness.sync()
+        result = harness.run.sync()
     except Exception as e:
         harness.record(vllm_path_sync=str(e).splitlines()[0][:400])
         raise

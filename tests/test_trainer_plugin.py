@@ -1,4 +1,4 @@
-"""A trainer of your own (``--vllm-trainer MODULE:ATTRIBUTE``, harness/trainer_plugin.py),
+"""A trainer of your own (``--vllm-trainer MODULE:ATTRIBUTE``, harness/trainer/user.py),
 held to the harness's checks: the example an RL framework would write,
 ``examples/shm_sender.py``, on the default CPU tier's llama float32 server (no server of
 its own): the seed flow (gibberish before, parity after), repeated syncs through one
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import parity
-from harness.pool import State
+from harness.oracles import parity
+from harness.run.pool import State
 
 EXAMPLE = "examples.shm_sender:ShmSender"
 DROP_ENV = "SHM_SENDER_DROP"

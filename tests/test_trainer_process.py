@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from harness import models
-from harness.trainer import RETIRING, SPARES, Trainer, TrainerError, TrainerSpec, run_trainer
+from harness.trainer.handle import Trainer, TrainerError, TrainerSpec, run_trainer
+from harness.trainer.spares import Spares, TrainerProcesses
 
 
 class _Routes(BaseHTTPRequestHandler):
@@ -158,11 +159,11 @@ def test_a_spare_started_ahead_becomes_the_next_trainer(routes, second_routes, m
     """The first trainer starts a spare; the next trainer (another server, another
     spec) takes that process over, is told its spec, and syncs to its own server; at
     the end of the run no spare is left."""
-    monkeypatch.setattr(SPARES, "count", 1)
-    monkeypatch.setattr(SPARES, "log_dir", tmp_path)
-    monkeypatch.setattr(SPARES, "_idle", {})  # this test's spares only
-    a = Trainer(_spec(routes), log_dir=tmp_path)
-    b = Trainer(_spec(second_routes, options={"recover_in_place": False}), log_dir=tmp_path)
+    run = TrainerProcesses(1, tmp_path)  # this test's spares only
+    SPARES = run.spares
+    a = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
+    b = Trainer(_spec(second_routes, options={"recover_in_place": False}), log_dir=tmp_path,
+                processes=run)
     try:
         a.sync(model, timeout=120)
         spare = SPARES._idle[next(iter(SPARES._idle))][0].proc.pid
@@ -189,10 +190,9 @@ def test_a_spare_started_ahead_becomes_the_next_trainer(routes, second_routes, m
 def test_closing_the_spares_twice_is_harmless(routes, model, tmp_path, monkeypatch):
     """The end of a run closes the spares, and an interpreter exit closes them again
     (a run interrupted in its teardown does both): the second close finds nothing."""
-    monkeypatch.setattr(SPARES, "count", 1)
-    monkeypatch.setattr(SPARES, "log_dir", tmp_path)
-    monkeypatch.setattr(SPARES, "_idle", {})  # this test's spares only
-    t = Trainer(_spec(routes), log_dir=tmp_path)
+    run = TrainerProcesses(1, tmp_path)  # this test's spares only
+    SPARES = run.spares
+    t = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
     try:
         t.sync(model, timeout=120)
     finally:
@@ -210,8 +210,9 @@ def test_a_retired_trainer_exits_by_itself_and_is_reaped(routes, model, tmp_path
     process at once, ``RETIRING`` holds it, and the end of the run finds it exited by
     itself (code 0, not killed) and removes its scratch directory. A fresh trainer's
     result says how it started and how long its caller waited for it to go."""
-    monkeypatch.setattr(RETIRING, "_procs", [])  # this test's trainers only
-    t = Trainer(_spec(routes), log_dir=tmp_path)
+    run = TrainerProcesses()  # this test's trainers only
+    RETIRING = run.retiring
+    t = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
     first = t.sync(model, timeout=120)
     proc, scratch = t.proc, t.scratch
     t.retire()
@@ -220,7 +221,7 @@ def test_a_retired_trainer_exits_by_itself_and_is_reaped(routes, model, tmp_path
     assert proc.returncode == 0 and not scratch.exists() and len(RETIRING) == 0
     assert first["spare"] is False and first["start_seconds"] >= 0
     assert first["cuda_init_seconds"] >= 0
-    fresh = run_trainer(_spec(routes), model, timeout=120, log_dir=tmp_path)
+    fresh = run_trainer(_spec(routes), model, timeout=120, log_dir=tmp_path, processes=run)
     assert fresh["close_seconds"] >= 0 and len(RETIRING) == 1
     RETIRING.drain()
 
@@ -231,9 +232,10 @@ def test_a_retired_trainer_that_will_not_exit_is_killed_after_its_grace(routes, 
     grace has passed, and what it owned is removed all the same."""
     import signal
 
-    monkeypatch.setattr(RETIRING, "_procs", [])
-    monkeypatch.setattr(RETIRING, "grace", 1.0)
-    t = Trainer(_spec(routes), log_dir=tmp_path)
+    run = TrainerProcesses()
+    RETIRING = run.retiring
+    RETIRING.grace = 1.0
+    t = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
     t.sync(model, timeout=120)
     proc, scratch = t.proc, t.scratch
     proc.send_signal(signal.SIGSTOP)
@@ -249,19 +251,18 @@ def test_a_spare_serves_a_trainer_of_another_test(routes, second_routes, model, 
     """pytest names the running test in the environment (PYTEST_CURRENT_TEST): a spare
     started during one test must serve the next test's trainer; a prepare that says
     ``spares=False`` (the pool's, off the tests' path) neither takes one nor starts one."""
-    monkeypatch.setattr(SPARES, "count", 1)
-    monkeypatch.setattr(SPARES, "log_dir", tmp_path)
-    monkeypatch.setattr(SPARES, "_idle", {})
-    a = Trainer(_spec(routes), log_dir=tmp_path)
+    run = TrainerProcesses(1, tmp_path)
+    SPARES = run.spares
+    a = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
     try:
         a.sync(model, timeout=120)
         [spare] = [s.proc.pid for idle in SPARES._idle.values() for s in idle]
-        aside = Trainer(_spec(second_routes), log_dir=tmp_path, spares=False)
+        aside = Trainer(_spec(second_routes), log_dir=tmp_path, processes=run, spares=False)
         aside.sync(model, timeout=120)
         assert aside.pid != spare and len([s for i in SPARES._idle.values() for s in i]) == 1
         aside.close()
         monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_other.py::test_next (call)")
-        b = Trainer(_spec(second_routes), log_dir=tmp_path)
+        b = Trainer(_spec(second_routes), log_dir=tmp_path, processes=run)
         result = b.sync(model, timeout=120)
         assert b.pid == spare and result["spare"] is True
         b.close()
@@ -277,8 +278,7 @@ def test_spares_are_kept_for_a_few_keys_only(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    monkeypatch.setattr(SPARES, "count", 1)
-    monkeypatch.setattr(SPARES, "_idle", {})
+    SPARES = Spares(1)
     started = []
 
     def spawn(args, env, log_dir, what):  # a process that waits, no trainer imports
@@ -289,7 +289,7 @@ def test_spares_are_kept_for_a_few_keys_only(tmp_path, monkeypatch):
         __import__("os").close(w)
         return p, tmp_path / f"{len(started)}.log", tmp_path / f"s{len(started)}", r
 
-    monkeypatch.setattr("harness.trainer._spawn", spawn)
+    monkeypatch.setattr("harness.trainer.spares.spawn_child", spawn)
     try:
         for i in range(SPARES.MAX_KEYS + 2):
             SPARES.replenish({"K": str(i)}, TrainerSpec.make(url="u", engine="shm", packed=True),
@@ -310,8 +310,7 @@ def test_the_end_of_a_run_tells_every_spare_at_once(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    monkeypatch.setattr(SPARES, "count", 3)
-    monkeypatch.setattr(SPARES, "_idle", {})
+    SPARES = Spares(3)
     code = ("import os, sys, time; sys.stdin.read(); open(os.path.join(sys.argv[1], "
             "str(os.getpid())), 'w').close(); t = time.time() + 10\n"
             "while len(os.listdir(sys.argv[1])) < 3 and time.time() < t: time.sleep(0.05)\n"
@@ -328,7 +327,7 @@ def test_the_end_of_a_run_tells_every_spare_at_once(tmp_path, monkeypatch):
         os.close(w)
         return p, tmp_path / f"{len(started)}.log", tmp_path / f"s{len(started)}", r
 
-    monkeypatch.setattr("harness.trainer._spawn", spawn)
+    monkeypatch.setattr("harness.trainer.spares.spawn_child", spawn)
     SPARES.replenish({}, TrainerSpec.make(url="u", engine="shm", packed=True), tmp_path)
     SPARES.close()
     assert len(started) == 3 and [p.returncode for p in started] == [0, 0, 0]

@@ -5,10 +5,10 @@ them, and the checks.
   run report's capability probe reads them with the same code);
 * ``driver``: completions sent through the official ``openai`` SDK, sync and async,
   streamed and not, each recording what arrived and when;
-* ``checks``: the checks, functions of a ``harness.client.ServerClient``.
+* ``checks``: the checks, functions of a ``harness.vllm.client.ServerClient``.
 
 The checks run against real vLLM servers (tests/test_pause_resume.py) and against a
-deliberately misbehaving stand-in (harness/standin.py, tests/test_pause_selftest.py),
+deliberately misbehaving stand-in (harness/testing/standin.py, tests/test_pause_selftest.py),
 which shows that each of them fails when the behaviour it checks is broken.
 """
 

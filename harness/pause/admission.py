@@ -21,10 +21,10 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from . import PauseCheckFailure, failure
-from ..client import ServerClient
-from .driver import REQ_SLACK, Rollout, greedy, join_all
-from .openapi import PauseStyle
+from harness.pause import PauseCheckFailure, failure
+from harness.pause.driver import REQ_SLACK, Rollout, greedy, join_all
+from harness.pause.openapi import PauseStyle
+from harness.vllm.client import ServerClient
 
 REFUSING_FROM = "0.33.0"
 REFUSING_MODES = ("abort", "wait")

@@ -4,7 +4,7 @@ Every check raises ``PauseCheckFailure`` (an ``AssertionError``) naming what wen
 wrong, and returns a dict of what it observed, for the report. Every wait is
 bounded (see ``driver``). ``ServerClient.pause``/``resume`` confirm each state
 change on /is_paused within seconds and name the route that lied
-(``harness.client.PauseStateError``); the checks that study the routes' raw answers
+(``harness.vllm.client.PauseStateError``); the checks that study the routes' raw answers
 (idempotency, bad input) call them unconfirmed.
 
 What a documented mode does to requests already generating is classified per
@@ -34,10 +34,11 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from . import PauseCheckFailure, failure
-from ..client import ServerClient
-from .driver import REQ_SLACK, Rollout, assert_all_returned, greedy, join_all, start_pair
-from .openapi import PauseAPI, PauseStyle
+from harness.pause import PauseCheckFailure, failure
+from harness.pause.driver import (REQ_SLACK, Rollout, assert_all_returned, greedy, join_all,
+                                  start_pair)
+from harness.pause.openapi import PauseAPI, PauseStyle
+from harness.vllm.client import ServerClient
 
 
 class NothingCaught(PauseCheckFailure):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from . import failure
-from ..client import ServerClient
-from .checks import NothingCaught, _set_paused_expect
-from .driver import REQ_SLACK, StreamingClients, assert_all_returned, await_tokens_after
-from .openapi import PauseStyle
+from harness.pause import failure
+from harness.pause.checks import NothingCaught, _set_paused_expect
+from harness.pause.driver import (REQ_SLACK, StreamingClients, assert_all_returned,
+                                  await_tokens_after)
+from harness.pause.openapi import PauseStyle
+from harness.vllm.client import ServerClient
 
 
 def check_concurrent_pause_cycles(client: ServerClient, prompts: Sequence[Sequence[int]],

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import openai
 
-from . import failure
-from ..client import ServerClient
+from harness.pause import failure
+from harness.vllm.client import ServerClient
 
 # A request's own timeout is this many times the check's: the check's bounded waits
 # (which name the hang and show the log) fire first, the request's only as a backstop.

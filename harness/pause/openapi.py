@@ -4,7 +4,7 @@ The styles are the ``mode`` query parameter's enum (FastAPI writes it inline,
 through ``$ref`` or inside ``anyOf`` for an Optional) plus any deprecated boolean
 flag that selects a mode on older vLLM. ``read_pause_api`` parses a document;
 ``discover_pause_api`` asks a server; ``pause_capabilities`` is the run report's
-summary of the same parse (harness/report.py), which never raises.
+summary of the same parse (harness/pytest/report.py), which never raises.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable
 
-from . import PauseCheckFailure, failure
+from harness.pause import PauseCheckFailure, failure
 
 if TYPE_CHECKING:
-    from ..client import ServerClient
+    from harness.vllm.client import ServerClient
 
 PAUSE_ROUTES = ("/pause", "/resume", "/is_paused")
 # What each documented mode does to in-flight requests (vLLM's /pause docstring).

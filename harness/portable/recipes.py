@@ -1,6 +1,6 @@
 """Build the zoo models: from a recipe (data), SmolLM2 from its GGUF.
 
-The harness's zoo (harness/models.py) builds its models with these functions, and a
+The harness's zoo (harness/models/__init__.py) builds its models with these functions, and a
 script emitted for a bug report carries them, so that it builds the zoo model bit for
 bit. Changing what they write means bumping ``models.RECIPE_VERSION``."""
 

@@ -23,11 +23,15 @@ def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> 
 
 def json_safe_update_info(update_info: Any) -> Any:
     """CUDA IPC handles are not JSON: over HTTP they travel pickled and base64-encoded as
-    ``ipc_handles_pickled`` (vLLM's own HTTP client does the same)."""
+    ``ipc_handles_pickled`` (vLLM's own HTTP client does the same; the worker unpickles
+    them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1). Payloads without handles (NCCL,
+    shm) pass unchanged; a list (several update infos in one call, 0.32) item by item."""
     if isinstance(update_info, list):
         return [json_safe_update_info(u) for u in update_info]
     if not isinstance(update_info, dict) or update_info.get("ipc_handles") is None:
         return update_info
+    if update_info.get("ipc_handles_pickled") is not None:
+        raise ValueError("update_info carries both ipc_handles and ipc_handles_pickled")
     out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
     out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
     return out

@@ -2,7 +2,7 @@
 
 vLLM loads weight-transfer engines in the worker processes it spawns, so the script
 registers the worker-side engine (a file next to it, a copy of
-harness/backends/shm_engine.py) through a vLLM general plugin: ``setup_shm`` puts a copy
+harness/transfer/shm_engine.py) through a vLLM general plugin: ``setup_shm`` puts a copy
 of the script (``__file__``: this code runs inside the emitted script) and of the engine
 file in WORKDIR/plugin with a *.dist-info/entry_points.txt, first on the PYTHONPATH the
 server inherits; vLLM then calls ``register_shm_engine`` in every process it starts. The
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from harness.portable.bucketing import buckets
 SHM_BACKEND = "repro_shm"          # the name the shm engine is registered under here
 SHM_ENGINE_MODULE = "repro_shm_engine"
 SHM_PLUGIN_MODULE = "repro_shm_plugin"
+DEFAULT_BUCKET_BYTES = 16 << 20  # unpacked: buckets of at most this many bytes
 
 
 def setup_shm(sc: dict[str, Any], workdir: Path) -> None:
@@ -33,31 +35,59 @@ def setup_shm(sc: dict[str, Any], workdir: Path) -> None:
 
 
 def send_shm(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """One safetensors file per bucket under a fresh directory on /dev/shm; each
-    /update_weights names the file and the tensors it holds (harness/backends/shm.py)."""
-    from safetensors.torch import save_file
-
+    """A fresh directory on /dev/shm for the group (/init_weight_transfer_engine), then
+    one update of its buckets (``send_buckets``)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     root = Path(tempfile.mkdtemp(prefix="repro-shm-", dir=base))
-    bucket_bytes = None if sc["packed"] else 16 << 20
     try:
         client.init_weight_transfer_engine({"root": str(root)})
-        client.start_weight_update()
-        for i, bucket in enumerate(buckets(weights, bucket_bytes)):
-            path = root / f"bucket-{os.getpid()}-{i:05d}.safetensors"
-            tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
-            save_file(tensors, str(path))
-            try:
-                client.update_weights({
-                    "path": str(path), "names": [n for n, _ in bucket],
-                    "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket]})
-            finally:
-                path.unlink(missing_ok=True)
-        client.finish_weight_update()
+        send_buckets(client, weights, root, None if sc["packed"] else DEFAULT_BUCKET_BYTES)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return "safetensors buckets on tmpfs, routes called by this script"
+
+
+def send_buckets(client: Any, weights: Any, root: Path, bucket_bytes: int | None,
+                 bucket_delay_s: float = 0.0, weight_version: str | None = None) -> dict:
+    """One update (/start_weight_update ... /finish_weight_update) of a group already
+    opened: one safetensors file per bucket under ``root`` (``bucket_bytes`` None: one
+    bucket), each named in an /update_weights with the names, dtypes and shapes it holds,
+    and removed once the server has acknowledged it. The harness's shm sender and the
+    repro scripts both send through this function. ``bucket_delay_s``: a wait after each
+    acknowledged bucket but the last (the fault tests stop a trainer mid-update);
+    ``weight_version`` rides /finish_weight_update."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    sent: dict[str, Any] = {"tensors": 0, "bytes": 0, "buckets": 0, "names": []}
+    client.start_weight_update()
+    for i, bucket in enumerate(buckets(weights, bucket_bytes)):
+        # [region harness]
+        if i and bucket_delay_s:
+            print(f"shm: {i} bucket(s) acknowledged, waiting {bucket_delay_s}s", flush=True)
+            time.sleep(bucket_delay_s)
+        # [end]
+        path = root / f"bucket-{os.getpid()}-{i:05d}.safetensors"
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+        save_file(tensors, str(path))
+        try:
+            client.update_weights({
+                "path": str(path), "names": [n for n, _ in bucket],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket]})
+        finally:
+            path.unlink(missing_ok=True)
+        sent["buckets"] += 1
+        sent["tensors"] += len(bucket)
+        sent["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        sent["names"] += [n for n, _ in bucket]
+    # [region harness]
+    if weight_version is not None:
+        client.finish_weight_update(weight_version)
+        return sent
+    # [end]
+    client.finish_weight_update()
+    return sent
 
 
 def register_shm_engine() -> None:

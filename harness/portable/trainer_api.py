@@ -4,7 +4,7 @@ A script holds one of the two APIs, the one of the release it was emitted for: t
 factory's stateful trainer engine (0.27.1+ for IPC, 0.28.0+ for NCCL), which calls the
 weight-sync routes itself, or the static helpers of 0.26, with the routes called by the
 script. The release decides by what its code offers, not by its version number, as in
-harness/vllm_api.py (the harness's own view of this)."""
+harness/vllm/api.py (the harness's own view of this)."""
 
 from __future__ import annotations
 

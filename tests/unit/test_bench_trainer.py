@@ -12,8 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from harness import benchfile, models
-from harness.trainer import Trainer, TrainerSpec
+from harness import models
+
+from harness.commands.bench import benchfile
+from harness.models import sized
+from harness.trainer.handle import Trainer, TrainerSpec
 
 
 class _Routes(BaseHTTPRequestHandler):
@@ -49,7 +52,7 @@ def test_prepare_calls_no_route_and_the_cold_sync_opens_the_group(routes, tmp_pa
                                                                    monkeypatch):
     url, calls = routes
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
-    weights = models.sized_model_dir(int(0.004e9), "bfloat16")
+    weights = sized.sized_model_dir(int(0.004e9), "bfloat16")
     spec = TrainerSpec.make(url=url, engine="shm", packed=False, dtype="bfloat16",
                             device="cpu", timeout=60,
                             options={"bucket_bytes": 1 << 20, "shm_root": str(tmp_path / "shm")})
@@ -63,7 +66,7 @@ def test_prepare_calls_no_route_and_the_cold_sync_opens_the_group(routes, tmp_pa
         assert calls[0] == "/init_weight_transfer_engine"
         assert calls[1] == "/start_weight_update" and calls[-1] == "/finish_weight_update"
         config = json.loads((weights / "config.json").read_text())
-        assert cold["bytes"] == 2 * models.config_params(config)
+        assert cold["bytes"] == 2 * sized.config_params(config)
         assert cold["update_calls"] == calls.count("/update_weights") > 1
 
         del calls[:]

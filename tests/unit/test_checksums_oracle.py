@@ -1,4 +1,4 @@
-"""harness.checksums (vLLM's weight digests compared) and the ServerClient calls behind
+"""harness.oracles.checksums (vLLM's weight digests compared) and the ServerClient calls behind
 it, without a vLLM server."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from harness import checksums
-from harness.client import ControlPlaneError, ServerClient
+from harness.oracles import checksums
+from harness.vllm.client import ControlPlaneError, ServerClient
 
 A = {"dp0:pp0:pcp0:tp0:model.embed_tokens.weight": "a0",
      "dp0:pp0:pcp0:tp0:model.norm.weight": "n0",

@@ -1,5 +1,5 @@
 """One option vocabulary: the ``harness`` commands take the options they share with
-pytest under pytest's names, from the same table (``harness.settings.OPTIONS``), with
+pytest under pytest's names, from the same table (``harness.pytest.settings.OPTIONS``), with
 the same ``HARNESS_*`` environment variables; their old names still work, with a
 deprecation note. Nothing here starts a server."""
 
@@ -10,7 +10,10 @@ import importlib
 
 import pytest
 
-from harness import cli, layouts, repro, settings
+from harness.commands import cli
+from harness.commands import options, repro
+from harness.pytest import settings
+from harness.run import layouts
 
 COMMANDS = ("demo", "repro", "bench")
 
@@ -24,13 +27,13 @@ def clean_environment(monkeypatch, tmp_path):
 
 
 def _parser(command: str) -> tuple[argparse.ArgumentParser, object]:
-    module = importlib.import_module(f"harness.{command}")
+    module = importlib.import_module(f"harness.commands.{command}")
     p = argparse.ArgumentParser(prog=f"harness {command}")
     module.add_arguments(p)
     return p, module
 
 
-def _uses(module) -> tuple[settings.Use, ...]:
+def _uses(module) -> tuple[options.Use, ...]:
     return module.USES if hasattr(module, "USES") else module._uses()
 
 
@@ -96,7 +99,7 @@ def test_one_sync_timeout_default_for_pytest_and_every_command():
     for command in COMMANDS:
         p, module = _parser(command)
         args = p.parse_args([])
-        settings.resolve_command(args, _uses(module), environ={})
+        options.resolve_command(args, _uses(module), environ={})
         assert args.vllm_sync_timeout == table == 600.0, command
 
 
@@ -123,7 +126,7 @@ def test_demo_and_repro_share_one_backend_vocabulary(command, short, variant, mo
     """`harness demo --vllm-backend nccl` said "unknown backend" while repro took it.
     Both take the shorthands; without GPUs both then refuse at once (exit 2, one line),
     before a server starts: repro used to start one and fail 77 s later at the sync."""
-    from harness import pool
+    from harness.run import pool
 
     def no_pool(*a, **kw):
         raise AssertionError("a server pool was created")
@@ -165,7 +168,8 @@ def test_a_hub_id_that_cannot_be_fetched_is_refused_before_anything_starts(
     """`harness repro --vllm-model org/name` without hub access started a server and
     failed 44 s later with a Hugging Face traceback: one line, exit 2, nothing started.
     A hub id in the local cache is taken offline."""
-    from harness import models, pool
+    from harness import models
+    from harness.run import pool
 
     def no_pool(*a, **kw):
         raise AssertionError("a server pool was created")

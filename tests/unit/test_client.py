@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness.client import ControlPlaneError, ServerClient
+from harness.vllm.client import ControlPlaneError, ServerClient
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import reaper
+from harness.vllm import reaper
 
 
 # ----------------------------------------------------------------------------- reaper
@@ -23,7 +23,7 @@ def reaper_calls(monkeypatch):
 def test_reaper_help_helps_and_stops_nothing(reaper_calls, capsys):
     assert reaper.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m harness.reaper") and "--dry-run" in out
+    assert out.startswith("usage: python -m harness.vllm.reaper") and "--dry-run" in out
     assert reaper_calls == []
 
 
@@ -41,7 +41,7 @@ def test_reaper_dry_run_lists_and_stops_nothing(reaper_calls, capsys):
 
 
 def test_reaper_without_an_option_is_a_dry_run_and_yes_reaps(reaper_calls, capsys):
-    """`python -m harness.reaper` with no option reaped at once: it lists now, and
+    """`python -m harness.vllm.reaper` with no option reaped at once: it lists now, and
     stops only with --yes (or --kill)."""
     assert reaper.main([]) == 0
     out = capsys.readouterr().out
@@ -87,7 +87,7 @@ def test_gpu_run_requires_the_gpu_cases_to_run(tmp_path):
 # ----------------------------------------------------------------------------- known_issues
 
 def test_known_issues_refuses_a_word_that_is_not_a_version(capsys):
-    from harness import known_issues_cli
+    from harness.known_issues import cli as known_issues_cli
 
     assert known_issues_cli.main(["notaversion"]) == 2
     out, err = capsys.readouterr()
@@ -96,7 +96,7 @@ def test_known_issues_refuses_a_word_that_is_not_a_version(capsys):
 
 
 def test_known_issues_help_helps(capsys):
-    from harness import known_issues_cli
+    from harness.known_issues import cli as known_issues_cli
 
     assert known_issues_cli.main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -109,7 +109,7 @@ def test_known_issues_help_helps(capsys):
 # ----------------------------------------------------------------------------- one style
 
 def _harness(capsys, *argv) -> tuple[int, str, str]:
-    from harness import cli
+    from harness.commands import cli
 
     try:
         code = cli.main(list(argv))
@@ -120,7 +120,7 @@ def _harness(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_harness_version_prints_the_version(capsys):
-    from harness.facts import dist_version
+    from harness.core.facts import dist_version
 
     code, out, err = _harness(capsys, "--version")
     assert (code, err) == (0, "") and out == f"harness {dist_version('weight-sync-harness')}\n"
@@ -145,11 +145,11 @@ def test_bad_input_is_one_line_in_one_style_and_exit_2(argv, says, capsys, monke
 
 
 def test_the_small_commands_say_errors_in_the_same_style(capsys, tmp_path):
-    from harness import known_issues_cli
+    from harness.known_issues import cli as known_issues_cli
 
     assert known_issues_cli.main(["verify", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m harness.known_issues verify: ") and err.count("\n") == 1
     assert reaper.main(["--nope"]) == 2
-    assert capsys.readouterr().err == ("python -m harness.reaper: unrecognized arguments: "
-                                       "--nope (see python -m harness.reaper --help)\n")
+    assert capsys.readouterr().err == ("python -m harness.vllm.reaper: unrecognized arguments: "
+                                       "--nope (see python -m harness.vllm.reaper --help)\n")

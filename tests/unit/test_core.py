@@ -6,12 +6,14 @@ import types
 
 import pytest
 
-from harness import flow, layouts, parity
-from harness.backends import VARIANTS
-from harness.cases import Case, server_config_for
-from harness.reference import PromptReference, Reference
-from harness.server import ServerConfig, ServerError, VLLMServer, build_command
-from harness.trainer_child import corrupt_weights
+from harness.oracles import parity
+from harness.oracles.reference import PromptReference, Reference
+from harness.run import flow
+from harness.run import layouts
+from harness.run.cases import Case, server_config_for
+from harness.trainer.damage import corrupt_weights
+from harness.transfer import VARIANTS
+from harness.vllm.server import ServerConfig, ServerError, VLLMServer, build_command
 
 
 def _ref(dtype="float32"):
@@ -139,13 +141,13 @@ class _FakeClient:
         self.detail = detail
 
     def complete(self, *a, **kw):
-        from harness.client import ControlPlaneError
+        from harness.vllm.client import ControlPlaneError
 
         raise ControlPlaneError("/v1/completions", {"prompt": [1]}, self.detail, 400)
 
 
 def test_nonfinite_server_output_is_a_parity_failure_other_400s_are_not():
-    from harness.client import ControlPlaneError
+    from harness.vllm.client import ControlPlaneError
 
     ref = _ref()
     nan = '{"error":{"message":"Out of range float values are not JSON compliant"}}'
@@ -171,8 +173,8 @@ class _FakeTrainer:
 def _session(sync_error=None):
     """A SyncSession over a real ServerPool whose server and trainer are fakes: only the
     bookkeeping of what the server holds is under test."""
-    from harness.flow import SyncSession
-    from harness.pool import ServerPool
+    from harness.run.flow import SyncSession
+    from harness.run.pool import ServerPool
 
     pool = ServerPool("/tmp", start_timeout=1, max_alive=1)
     cfg = ServerConfig(model="/m")
@@ -205,7 +207,7 @@ def _session(sync_error=None):
 
 
 def test_a_server_is_resynced_only_when_it_does_not_hold_the_asked_weights():
-    from harness.pool import State
+    from harness.run.pool import State
 
     s = _session()
     assert s.holds is None                 # dummy weights
@@ -219,7 +221,7 @@ def test_a_server_is_resynced_only_when_it_does_not_hold_the_asked_weights():
 
 
 def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_user():
-    from harness.pool import State
+    from harness.run.pool import State
 
     s = _session()
     assert s.leave_healthy() is None and s.trainer_calls == []  # nothing to repair
@@ -249,7 +251,7 @@ def test_a_failing_resume_does_not_replace_the_trainers_error_in_the_seed_flow(m
     raised is still the trainer's, and it says that /resume failed."""
     import sys
 
-    from harness.client import ControlPlaneError
+    from harness.vllm.client import ControlPlaneError
 
     s = _session(sync_error=RuntimeError("trainer: NCCL watchdog timeout"))
     steps, resumes = [], []
@@ -273,7 +275,7 @@ def test_a_failing_resume_does_not_replace_the_trainers_error_in_the_seed_flow(m
 
 
 def test_the_paused_sync_times_its_steps_and_reports_them():
-    from harness.sync import paused_sync
+    from harness.run.sync import paused_sync
 
     calls = []
 
@@ -317,7 +319,7 @@ def test_swap_swaps_the_pair_it_names():
 
 
 def test_start_wall_time_counts_overlapping_starts_once():
-    from harness.pool import start_figures
+    from harness.run.pool import start_figures
 
     started = [{"start_seconds": 50, "started_at": 0, "ready_at": 50},
                {"start_seconds": 40, "started_at": 10, "ready_at": 50},   # side by side
@@ -330,7 +332,7 @@ def test_a_fresh_trainer_retires_the_servers_persistent_trainers():
     """A new trainer's /init_weight_transfer_engine replaces the group the persistent
     trainer opened: that trainer must not be used again (it once failed the next test
     with 'outside the initialised root', and over NCCL it would wait on a dead group)."""
-    import harness.flow as flow
+    import harness.run.flow as flow
 
     s = _session()
     dropped = []
@@ -348,7 +350,7 @@ def test_a_fresh_trainer_retires_the_servers_persistent_trainers():
 def test_cpu_ranks_get_cores_of_their_own(monkeypatch):
     import os
 
-    from harness.server import ServerError, cpu_binding
+    from harness.vllm.server import ServerError, cpu_binding
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert cpu_binding(2) == "0|1"

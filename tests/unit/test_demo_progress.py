@@ -9,7 +9,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from harness import demo
+from harness.commands import demo
 
 
 def test_the_ticker_speaks_every_15_seconds_at_most():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import diff
+from harness.commands import diff
 
 ROUTES = ["/health", "/version", "/pause", "/resume", "/is_paused", "/update_weights",
           "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
@@ -216,7 +216,7 @@ def test_json_lists_regressions(tmp_path, capsys, level):
 
 def test_cli_subcommand(tmp_path, capsys):
     """``harness diff`` through the console script's dispatcher."""
-    from harness import cli
+    from harness.commands import cli
 
     a, b = _report(), _report()
     b["tests"][0]["outcome"] = "failed"
@@ -442,7 +442,7 @@ def test_bfloat16_tolerance_is_paritys(tmp_path, capsys):
 def test_tolerances_come_from_parity_only(tmp_path, capsys, monkeypatch):
     """No table of its own: a tolerance parity changes, diff follows; a dtype parity has
     no tolerance for is judged by the threshold, never by a number diff made up."""
-    from harness import parity
+    from harness.oracles import parity
 
     monkeypatch.setattr(parity, "tolerance_for", lambda dtype: parity.Tolerance(0.3, "test"))
     assert _run(tmp_path, _bf16(0.2), _bf16(0.4)) == 1
@@ -456,7 +456,7 @@ def test_tolerances_come_from_parity_only(tmp_path, capsys, monkeypatch):
 
 
 def test_importing_diff_pulls_in_no_test_or_inference_stack():
-    code = ("import sys, harness.diff; "
+    code = ("import sys, harness.commands.diff; "
             "print(sorted({'pytest', 'vllm', 'torch', 'transformers'} & set(sys.modules)))")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
@@ -613,13 +613,13 @@ def test_long_reasons_wrap_at_word_boundaries(tmp_path, monkeypatch, capsys):
     (-1, 2, "from -1 to 2"),
 ])
 def test_a_change_is_said_in_words_that_mean_something(a, b, said):
-    from harness import text
+    from harness.core import text
 
     assert text.change(a, b) == said
 
 
 def test_the_table_functions_fit_any_width():
-    from harness import text
+    from harness.core import text
 
     rows = [["REGRESSION", "cpu-moe-reload-unpacked-experts",
              "not applied: vLLM 0.27.1 outside '>=0.32.0'; its tests pass here", "known"],

@@ -16,12 +16,15 @@ import types
 import psutil
 import pytest
 
-from harness import faults, reaper, settings
-from harness.client import ServerClient
-from harness.pool import Holding, ServerPool, ServerUnavailable, State
-from harness.server import ServerConfig, build_command, build_env
-from harness.trainer import API_KEY_ENV, FAKE_GPU_UUID, LIES, Trainer, TrainerError, TrainerSpec
-from harness.trainer_child import LyingClient, corrupt_weights, lie_about
+from harness.pytest import settings
+from harness.run.pool import Holding, ServerPool, ServerUnavailable, State
+from harness.testing import faults
+from harness.trainer.damage import LyingClient, corrupt_weights, lie_about
+from harness.trainer.handle import (API_KEY_ENV, FAKE_GPU_UUID, LIES, Trainer, TrainerError,
+                                    TrainerSpec)
+from harness.vllm import reaper
+from harness.vllm.client import ServerClient
+from harness.vllm.server import ServerConfig, build_command, build_env
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -130,7 +133,7 @@ def test_a_trainer_gets_the_key_in_its_environment_and_loses_its_scratch_when_ki
     try:
         p = psutil.Process(t.pid)
         deadline = time.monotonic() + 10  # until exec has replaced the forked parent
-        while "harness.trainer" not in " ".join(p.cmdline()) and time.monotonic() < deadline:
+        while "harness.trainer.handle" not in " ".join(p.cmdline()) and time.monotonic() < deadline:
             time.sleep(0.02)
         env = p.environ()
         assert env[API_KEY_ENV] == "s3cret" and "s3cret" not in " ".join(p.cmdline())
@@ -212,7 +215,7 @@ def test_rank0_only_sends_the_update_to_global_worker_rank_0_alone():
 
 
 def test_the_trainers_client_lies_for_one_sync_and_can_hold_an_update_open(capsys):
-    from harness.trainer_child import _SwitchableClient
+    from harness.trainer.child import _SwitchableClient
 
     seen = []
     inner = types.SimpleNamespace(update_weights=seen.append, start_weight_update=lambda: "ok")
@@ -255,7 +258,7 @@ def test_memory_growth_is_judged_on_medians_after_warm_up():
 
 
 def test_probe_reports_no_answer_without_raising():
-    from harness.facts import free_port
+    from harness.core.facts import free_port
 
     a = faults.probe(f"http://127.0.0.1:{free_port()}", "GET", "/health", timeout=5)
     assert a.status is None and a.kind == "no answer" and "ConnectionError" in a.error
@@ -314,8 +317,8 @@ def test_a_server_that_died_fails_every_later_request_with_its_cause(tmp_path):
 
 
 def test_a_failed_sync_keeps_its_own_error_and_says_how_the_server_is(tmp_path):
-    from harness.client import ControlPlaneError
-    from harness.flow import SyncSession
+    from harness.run.flow import SyncSession
+    from harness.vllm.client import ControlPlaneError
 
     s = SyncSession.__new__(SyncSession)
     s.on_record, s.user = None, "test_x"

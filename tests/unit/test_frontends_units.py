@@ -11,15 +11,15 @@ import threading
 
 import pytest
 
-from harness.client import ServerClient
-from harness.frontends import FrontendError, pinned_clients
-from harness.server import ServerConfig, build_command
+from harness.vllm.client import ServerClient
+from harness.vllm.frontends import FrontendError, pinned_clients
+from harness.vllm.server import ServerConfig, build_command
 
 
 def test_several_api_servers_need_the_serve_cli(monkeypatch):
     """The deprecated api_server module parses --api-server-count and ignores it; on a
     build without the `vllm` distribution the harness runs vLLM's CLI itself."""
-    import harness.server as server
+    import harness.vllm.server as server
 
     monkeypatch.setattr(server, "_vllm_cli_usable", lambda: False)
     one = build_command(ServerConfig(model="/m"), 1)

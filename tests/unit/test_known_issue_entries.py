@@ -146,9 +146,9 @@ def test_raises_spec():
 def test_reason_and_fixed_message():
     issue = _issue(id="abc", upstream="org/repo#7", symptom="it raises")
     assert issue.reason() == "known issue abc (org/repo#7): it raises"
-    msg = issue.fixed_message("0.40.0", "harness/known_issues.toml")
+    msg = issue.fixed_message("0.40.0", "harness/known_issues/known_issues.toml")
     assert msg.startswith("[XPASS(strict)] known issue abc fixed — remove this entry")
-    assert "0.40.0" in msg and "harness/known_issues.toml" in msg
+    assert "0.40.0" in msg and "harness/known_issues/known_issues.toml" in msg
 
 
 # ----------------------------------------------------------------------------- end to end

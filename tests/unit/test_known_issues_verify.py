@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness import known_issues as ki
-from harness import known_issues_cli as kcli
-from harness import known_issues_verify as kv
+from harness.known_issues import cli as kcli
+from harness.known_issues import verify as kv
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "tests/test_x.py::test_bug[shm-cpu-fp32-llama]"
@@ -185,7 +185,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 
 def test_the_shipped_file_is_backed_by_the_committed_reports():
-    """What `checked` claims in harness/known_issues.toml, the committed reports show."""
+    """What `checked` claims in harness/known_issues/known_issues.toml, the committed reports show."""
     reports = sorted((ROOT / "reports").glob("*.json")) + \
         sorted((ROOT / "reports" / "gpu").glob("*.json")) + \
         sorted((ROOT / "reports" / "matrix").glob("*.json"))  # the release matrix

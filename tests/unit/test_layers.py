@@ -1,7 +1,8 @@
-"""The architecture holds: every module imports on its own, nothing imports the pytest
-plugin, the front ends (plugin, CLI commands, the standalone repro script) never import
-each other, the engine never imports pytest, and every module imports only from its
-own floor or the floors below it (the README's "Layout of the code")."""
+"""The architecture holds, read from the folders: every module imports on its own; each
+package of ``harness/`` sits on one floor and imports only from its own package or a
+lower floor (the README's "Layout of the code"); the packages of one floor do not import
+each other; nothing imports the pytest plugin; nothing below the faces imports pytest;
+the subcommands do not import each other; and there is no import circle."""
 
 from __future__ import annotations
 
@@ -15,39 +16,37 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "harness"
 MODULES = sorted("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
                  for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
-FRONT_ENDS = {"harness.plugin", "harness.report", "harness.known_issues", "harness.demo",
-              "harness.repro", "harness.diff", "harness.bench", "harness.cli",
-              "harness.repro_script",
-              "harness.bench_run", "harness.bench_view", "harness.diff_reports",
-              "harness.diff_render", "harness.diff_bench", "harness.known_issues_verify",
-              "harness.sharding", "harness.merge", "harness.__main__",
-              "harness.known_issues_cli"}
-ENGINE = {"harness.facts", "harness.settings", "harness.cases", "harness.pool", "harness.flow",
-          "harness.trainer", "harness.server", "harness.client", "harness.layouts",
-          "harness.models", "harness.reference", "harness.parity", "harness.vllm_api",
-          "harness.sync", "harness.measure", "harness.environment", "harness.partition",
-          "harness.parallel", "harness.memory_lock", "harness.trainer_plugin"}
+
+# Lowest first: the packages of harness/ by floor. ``portable`` is below everything: it
+# imports nothing of the harness outside itself, because the emitted repro scripts carry
+# its modules. The packages of one floor are independent of each other.
+FLOORS = [
+    ("portable", {"portable"}),
+    ("core", {"core"}),
+    ("models", {"models"}),
+    ("vllm", {"vllm"}),
+    ("parts", {"transfer", "oracles", "pause", "testing"}),
+    ("trainer", {"trainer"}),
+    ("run", {"run"}),
+    ("known issues", {"known_issues"}),
+    ("pytest", {"pytest"}),
+    ("commands", {"commands"}),
+    ("entry", {"__main__"}),
+]
+FACES = {"known_issues", "pytest", "commands", "__main__"}
+ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
+               .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
+ALL_MODULES.pop("harness")  # the empty top package
 
 
-def _imports(module: str) -> set[str]:
-    path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the module's package
-                base = module.split(".")[:-node.level]
-                name = ".".join(base + ([node.module] if node.module else []))
-                found |= {name} | {f"{name}.{a.name}" for a in node.names}
-            elif node.module:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return found
+def package_of(module: str) -> str:
+    """``harness.run.pool`` is in ``run``; ``harness.__main__`` is its own."""
+    return module.split(".")[1]
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_module_imports_on_its_own(module):
-    if module in ("harness.backends.shm_engine", "harness.backends.shm_trainer_engine"):
+    if module in ("harness.transfer.shm_engine", "harness.transfer.shm_trainer_engine"):
         pytest.importorskip("vllm")  # vLLM loads them, in its processes and the trainer's
     r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                        text=True, timeout=120)
@@ -55,78 +54,41 @@ def test_module_imports_on_its_own(module):
 
 
 def test_nothing_imports_the_plugin():
-    offenders = [m for m in MODULES if m != "harness.plugin" and "harness.plugin" in _imports(m)]
-    assert offenders == []
+    assert [m for m in ALL_MODULES if "harness.pytest.plugin" in harness_imports(m)] == []
 
 
-def test_front_ends_do_not_import_each_other():
-    # the plugin may register its report and known-issues hooks: they are its parts
-    allowed = {("harness.plugin", "harness.report"), ("harness.plugin", "harness.known_issues"),
-               ("harness.report", "harness.known_issues"), ("harness.plugin", "harness.sharding"),
-               ("harness.cli", "harness.demo"), ("harness.cli", "harness.repro"),
-               ("harness.cli", "harness.diff"), ("harness.cli", "harness.bench"),
-               ("harness.__main__", "harness.cli"),
-               # one command's parts
-               ("harness.bench", "harness.bench_run"), ("harness.bench", "harness.bench_view"),
-               ("harness.bench_run", "harness.bench_view"),
-               ("harness.diff", "harness.diff_reports"), ("harness.diff", "harness.diff_render"),
-               ("harness.diff", "harness.diff_bench"),
-               ("harness.known_issues_verify", "harness.known_issues"),
-               ("harness.known_issues_cli", "harness.known_issues"),
-               ("harness.known_issues", "harness.known_issues_cli"),  # its script block
-               ("harness.known_issues_cli", "harness.known_issues_verify"),
-               # a merge reads reports as diff does and summarizes them as the report does
-               ("harness.merge", "harness.diff_reports"), ("harness.merge", "harness.report")}
-    bad = [(m, other) for m in FRONT_ENDS if m in MODULES
-           for other in FRONT_ENDS - {m} if other in _imports(m) and (m, other) not in allowed]
+def test_below_the_faces_nothing_imports_pytest():
+    """pytest is the faces' business: the engine runs the same under ``harness demo``."""
+    assert [m for m in sorted(ALL_MODULES) if package_of(m) not in FACES | {"testing"}
+            and "pytest" in imported_names(m)] == []
+
+
+# Which subcommand may use another's module: the dispatcher all of them; every one the
+# option table as commands take it (``options``); a merge reads reports as a diff does;
+# a diff of two bench files reads them as the bench writes them.
+SUBCOMMAND_USES = {("cli", "*"), ("*", "options"), ("merge", "diff"), ("diff", "bench")}
+
+
+def test_subcommands_do_not_import_each_other():
+    def sub(m):
+        return m.split(".")[2] if package_of(m) == "commands" and m.count(".") > 1 else None
+
+    bad = [(m, o) for m in sorted(ALL_MODULES) if sub(m) for o in sorted(harness_imports(m))
+           if sub(o) and sub(o) != sub(m) and (sub(m), "*") not in SUBCOMMAND_USES
+           and ("*", sub(o)) not in SUBCOMMAND_USES and (sub(m), sub(o)) not in SUBCOMMAND_USES]
     assert bad == []
 
 
-def test_the_engine_knows_nothing_of_pytest_or_the_front_ends():
-    for m in ENGINE:
-        imported = _imports(m)
-        assert "pytest" not in imported, m
-        assert not imported & FRONT_ENDS, (m, imported & FRONT_ENDS)
-
-
-# ----------------------------------------------------------------------------- floors
-# Lowest first. A module imports only from its own floor or a lower one. ``portable`` is
-# below everything: it imports nothing of the harness outside itself, because the
-# emitted repro scripts carry its modules. A name ending in "." stands for the modules
-# of that package; ``harness.backends`` itself is the backend variants as data, a fact,
-# its modules are parts.
-FLOORS = [
-    ("portable", {"harness.portable", "harness.portable."}),
-    ("facts", {"harness.facts", "harness.server", "harness.client", "harness.layouts",
-               "harness.models", "harness.vllm_api", "harness.settings", "harness.reaper",
-               "harness.text", "harness.probe_cache", "harness.plan", "harness.backends",
-               "harness.measure", "harness.environment", "harness.sync",
-               "harness.partition", "harness.startup", "harness.memory_lock",
-               "harness.trainer_plugin"}),
-    ("parts", {"harness.backends.", "harness.reference", "harness.parity", "harness.checksums",
-               "harness.pause", "harness.pause.", "harness.standin", "harness.faults",
-               "harness.frontends", "harness.lora"}),
-    ("engine", {"harness.cases", "harness.pool", "harness.trainer", "harness.trainer_child",
-                "harness.flow", "harness.parallel"}),
-    ("faces", {"harness.plugin", "harness.report", "harness.known_issues", "harness.cli",
-               "harness.demo", "harness.repro", "harness.repro_emit", "harness.repro_script",
-               "harness.diff", "harness.matrix", "harness.bench", "harness.benchfile",
-               "harness.rawlimit", "harness.bench_run", "harness.bench_view",
-               "harness.diff_reports", "harness.diff_render", "harness.diff_bench",
-               "harness.diff_common", "harness.known_issues_verify", "harness.sharding",
-               "harness.merge", "harness.rootdir", "harness.selection", "harness.__main__",
-               "harness.known_issues_cli"}),
-]
-ALL_MODULES = {("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
-               .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
-ALL_MODULES.pop("harness")  # the empty top package
+def test_packages_of_one_floor_do_not_import_each_other():
+    bad = [f"{m} imports {o}" for m in sorted(ALL_MODULES) for o in sorted(harness_imports(m))
+           if floor_of(o) == floor_of(m) and package_of(o) != package_of(m)]
+    assert bad == []
 
 
 def floor_of(module: str) -> int | None:
-    """The index of ``module``'s floor: where it is named, or where its package's
-    modules are ("harness.pause." holds ``harness.pause.driver``)."""
-    for i, (_, names) in enumerate(FLOORS):
-        if module in names or module.rsplit(".", 1)[0] + "." in names:
+    """The index of the floor ``module``'s package is on."""
+    for i, (_, packages) in enumerate(FLOORS):
+        if package_of(module) in packages:
             return i
     return None
 
@@ -159,6 +121,17 @@ def harness_imports(module: str, *, main_block: bool = True) -> set[str]:
     return found
 
 
+def imported_names(module: str) -> set[str]:
+    """Every module name ``module`` imports (its top-level packages), inside functions too."""
+    found = set()
+    for node in ast.walk(ast.parse(ALL_MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
 def test_every_module_has_a_floor():
     assert [m for m in sorted(ALL_MODULES) if floor_of(m) is None] == []
 
@@ -188,10 +161,26 @@ def test_an_upward_import_is_caught(monkeypatch):
     that reached for the facts would be reported."""
     original = harness_imports
     monkeypatch.setitem(globals(), "harness_imports",
-                        lambda m: original(m) | ({"harness.facts"}
+                        lambda m: original(m) | ({"harness.core.facts"}
                                                  if m == "harness.portable.recipes" else set()))
-    assert upward_imports() == ["harness.portable.recipes (portable) imports harness.facts "
-                                "(facts)"]
+    assert upward_imports() == ["harness.portable.recipes (portable) imports harness.core.facts "
+                                "(core)"]
+
+
+def test_a_floor_mate_a_subcommand_and_pytest_are_caught(monkeypatch):
+    """Each package rule above fails on the import it forbids."""
+    original, names = harness_imports, imported_names
+    extra = {"harness.oracles.parity": {"harness.pause.driver"},
+             "harness.commands.demo": {"harness.commands.bench.run"}}
+    monkeypatch.setitem(globals(), "harness_imports",
+                        lambda m, **kw: original(m, **kw) | extra.get(m, set()))
+    monkeypatch.setitem(globals(), "imported_names",
+                        lambda m: names(m) | ({"pytest"} if m == "harness.run.flow" else set()))
+    for check in (test_packages_of_one_floor_do_not_import_each_other,
+                  test_subcommands_do_not_import_each_other,
+                  test_below_the_faces_nothing_imports_pytest):
+        with pytest.raises(AssertionError):
+            check()
 
 
 def import_circles(imports=None) -> list[list[str]]:
@@ -236,8 +225,8 @@ def test_the_import_graph_has_no_circle():
 def test_a_circle_is_caught():
     """Two modules that import each other, one of them inside a function only."""
     original = harness_imports
-    extra = {"harness.facts": {"harness.settings"}}
+    extra = {"harness.core.facts": {"harness.pytest.settings"}}
     circles = import_circles(lambda m: original(m, main_block=False) | extra.get(m, set()))
-    assert any({"harness.facts", "harness.settings"} <= set(c) for c in circles), circles
+    assert any({"harness.core.facts", "harness.pytest.settings"} <= set(c) for c in circles), circles
     assert import_circles() == [], "the extra import is the only circle"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from harness import models
-from harness.cases import build_cases, server_config_for
-from harness.server import build_command, build_env
+from harness.run.cases import build_cases, server_config_for
+from harness.vllm.server import build_command, build_env
 
 
 def test_lora_case_server_flags_and_env():
@@ -27,8 +27,8 @@ def test_lora_case_server_flags_and_env():
 
 def test_adapter_is_peft_nonzero_deterministic_and_changes_the_reference(tmp_path):
     pytest.importorskip("peft")
-    from harness import lora
-    from harness.reference import hf_reference
+    from harness.oracles.reference import hf_reference
+    from harness.trainer import lora
 
     base = models.model_dir("llama")
     a = lora.write_adapter(base, 7, dest_root=tmp_path / "x")

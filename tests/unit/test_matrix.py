@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness import matrix
+from harness.commands import matrix
 
 P = "tests/test_parity.py::test_architecture_parity[shm-cpu-fp32-{}]"
 W = "tests/test_checksums.py::test_every_digest_matches_the_disk_loaded_twin[shm-cpu-fp32-llama]"

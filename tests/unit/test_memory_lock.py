@@ -1,4 +1,4 @@
-"""The lock between GPU server starts and sleeps (harness.memory_lock), across processes."""
+"""The lock between GPU server starts and sleeps (harness.vllm.memory_lock), across processes."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import subprocess
 import sys
 import time
 
-from harness import memory_lock
+from harness.vllm import memory_lock
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from harness import memory_lock
+from harness.vllm import memory_lock
 with memory_lock.held({exclusive}, "test", path=Path(sys.argv[1])) as got:
     print("held" if got else "not held", flush=True)
     time.sleep(float(sys.argv[2]))

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, diff, known_issues, matrix
-from harness.known_issues_verify import verify
-from harness.merge import MergeError, merge_reports
-from harness.report import summarize
+from harness import known_issues
+from harness.commands import cli
+from harness.commands import diff
+from harness.commands import matrix
+from harness.commands.merge import MergeError, merge_reports
+from harness.known_issues.verify import verify
+from harness.pytest.report import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 WHOLE = ROOT / "reports" / "gpu" / "h200-vllm-0.26.0-k-ipc-green.json"

@@ -1,4 +1,4 @@
-"""Tests side by side (harness.parallel): the controller's scheduler deals each worker
+"""Tests side by side (harness.run.parallel): the controller's scheduler deals each worker
 its own servers' tests and shares the tests without a server out by module; the
 partition keeps every server in one bin (its replicas aside)."""
 
@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import parallel, partition
-from harness import plan as P
-from harness.server import ServerConfig
+from harness.run import parallel
+from harness.run import partition
+from harness.run import plan as P
+from harness.vllm.server import ServerConfig
 
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
 

@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from harness import cases, layouts
-from harness.backends import VARIANTS
-from harness.server import ServerConfig, build_command, build_env
+from harness.run import cases
+from harness.run import layouts
+from harness.transfer import VARIANTS
+from harness.vllm.server import ServerConfig, build_command, build_env
 
 
 @pytest.mark.parametrize("name, flag", [("cpu-dp2", "--data-parallel-size"),

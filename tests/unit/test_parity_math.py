@@ -1,18 +1,18 @@
-"""The comparison math of harness.parity on hand-made references: top-k ties, non-finite
+"""The comparison math of harness.oracles.parity on hand-made references: top-k ties, non-finite
 values, the exact server-to-server comparison, a stale continuation. No server."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import parity
+from harness.oracles import parity
 
 
 # ----------------------------------------------------------------------------- the checks themselves
 # Pure logic, no server: what the comparison module accepts and what it reports.
 
 def _ref(dtype="float32"):
-    from harness.reference import PromptReference, Reference
+    from harness.oracles.reference import PromptReference, Reference
 
     pr = PromptReference(
         prompt="p", prompt_ids=[1, 2], greedy_ids=[3, 4],

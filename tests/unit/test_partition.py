@@ -1,9 +1,9 @@
-"""--harness-shard K/N and harness.partition: every selected test in exactly one shard,
+"""--harness-shard K/N and harness.run.partition: every selected test in exactly one shard,
 no server in two shards, the shards' estimated costs close to each other.
 
 The needs are the real ones: a pytest run of this repository plans the GPU selections
 for a host it does not have (--harness-plan --harness-plan-host) with --harness-shard,
-and a small plugin hands back the needs the shard plugin cut (harness.sharding.SHARDS)
+and a small plugin hands back the needs the shard plugin cut (harness.pytest.sharding.SHARDS)
 and the tests the shard kept. Collection only: no server starts here.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import partition
-from harness import plan as P
-from harness.server import ServerConfig
+from harness.run import partition
+from harness.run import plan as P
+from harness.vllm.server import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ import pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
-    from harness import sharding
+    from harness.pytest import sharding
     bins, needs, settings = session.config.stash[sharding.SHARDS]
     with open(os.environ["NEEDS_OUT"], "wb") as f:
         pickle.dump({"needs": needs, "kept": [it.nodeid for it in session.items]}, f)

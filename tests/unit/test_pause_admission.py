@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import ServerClient
 from harness.pause import PauseCheckFailure, admission
 from harness.pause import checks as pc
 from harness.pause.openapi import discover_pause_api
-from harness.standin import StandinServer
+from harness.testing.standin import StandinServer
+from harness.vllm.client import ServerClient
 
 PROMPT = list(range(3, 19))
 

@@ -1,4 +1,4 @@
-"""The server plan (harness.plan) and the pool that follows it: each configuration
+"""The server plan (harness.run.plan) and the pool that follows it: each configuration
 starts once, the variants of one engine take turns on its one server (each seed flow
 after a planned reset of the weights), and a restart is never planned; when one
 happens anyway the pool says why. The -k ipc plan for one GPU and the -k "nccl or ipc" plan for two are checked on
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import plan as P
-from harness.pool import ServerPool, State
-from harness.server import ServerConfig
+from harness.run import plan as P
+from harness.run.pool import ServerPool, State
+from harness.vllm.server import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=141, ram_gib=128)
@@ -167,7 +167,7 @@ class _FakeServer:
 
 @pytest.fixture
 def fake_pool(monkeypatch, tmp_path):
-    import harness.pool as pool_module
+    import harness.run.pool as pool_module
 
     _FakeServer.gate = threading.Event()
     _FakeServer.gate.set()
@@ -258,23 +258,29 @@ def test_a_test_that_takes_only_the_case_plans_no_server(pytester, monkeypatch):
 
 def test_a_run_without_servers_leaves_the_outer_runs_spares_alone(pytester, monkeypatch):
     """A pytest run inside a test (the harness's own tests make them) that plans no
-    server starts no pool, so it neither resets nor stops the process-wide trainer
-    spares and retiring trainers of the run around it. (It did: each such run closed the
-    outer run's spares and set their count to its own, 0 with no servers: in the CPU suite
-    report of 2026-12-01 the two such tests took 107 s and 110 s, 0.2 s each alone.)"""
-    from harness import trainer
+    server starts no pool, so it neither makes nor stops trainer spares and retiring
+    trainers. (When they were process-wide, each such run closed the outer run's spares
+    and set their count to its own: in the CPU suite report of 2026-12-01 the two such
+    tests took 107 s and 110 s, 0.2 s each alone. Now each run's pool holds its own.)"""
+    from harness.trainer import spares
 
+    made: list[int] = []
     closed: list[str] = []
-    monkeypatch.setattr(trainer.SPARES, "count", 7)
-    monkeypatch.setattr(trainer.SPARES, "close", lambda: closed.append("spares"))
-    monkeypatch.setattr(trainer.RETIRING, "drain", lambda: closed.append("retiring"))
+    original = spares.TrainerProcesses.__init__
+
+    def init(self, *a, **kw):
+        made.append(1)
+        original(self, *a, **kw)
+
+    monkeypatch.setattr(spares.TrainerProcesses, "__init__", init)
+    monkeypatch.setattr(spares.TrainerProcesses, "close", lambda self: closed.append("run"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("HARNESS_REPORT_PROBES", "0")
     pytester.makepyfile(test_only_case="def test_a(case):\n    assert case.dtype\n")
     r = pytester.runpytest("-p", "no:cacheprovider", "--vllm-backend", "shm",
                            "--vllm-layout", "cpu", "--vllm-model", "llama")
     r.assert_outcomes(passed=1)
-    assert (trainer.SPARES.count, closed) == (7, [])
+    assert (made, closed) == ([], [])
 
 
 def test_the_end_of_a_run_stops_its_servers_side_by_side(fake_pool, monkeypatch):

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from harness import facts, settings
+from harness.core import facts
+from harness.pytest import settings
 
 SAMPLE = """
 import re
@@ -107,7 +108,7 @@ def test_legacy_environment_names_still_work_with_a_deprecation_warning(project,
 
 
 def test_legacy_names_never_reach_a_server():
-    from harness.server import ServerConfig, build_env
+    from harness.vllm.server import ServerConfig, build_env
 
     assert settings.legacy_env_names() == set(facts.HARNESS_LEGACY_ENV)
     import os
@@ -167,7 +168,7 @@ def test_a_project_that_does_not_use_the_harness_hears_nothing_of_it(pytester, m
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a GPU probe would be visible as a cost
     pytester.makepyfile(test_other="def test_x():\n    assert 1\n")
     calls = []
-    from harness import layouts
+    from harness.run import layouts
 
     monkeypatch.setattr(layouts, "gpu_count", lambda: calls.append(1) or 0)
     r = pytester.runpytest("-q")
@@ -181,7 +182,7 @@ def test_only_the_selected_tests_servers_are_planned(project, monkeypatch):
     """-k and -m deselect after collection: the servers planned (and started ahead) are
     those of the tests that will run. A GPU run once started CPU-layout servers that
     -k had excluded; with a GPU build of vLLM they took the GPU's memory."""
-    from harness.pool import ServerPool
+    from harness.run.pool import ServerPool
 
     planned = []
     monkeypatch.setattr(ServerPool, "plan", lambda self, cfgs, warm=None: planned.extend(cfgs))

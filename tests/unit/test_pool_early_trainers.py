@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import pool as pool_mod
-from harness.server import ServerConfig, ServerError
-from harness.trainer import TrainerSpec
+from harness.run import pool as pool_mod
+from harness.trainer.handle import TrainerSpec
+from harness.vllm.server import ServerConfig, ServerError
 
 
 class _Spare:
@@ -83,7 +83,8 @@ def test_a_trainer_given_a_spare_tells_it_its_spec_and_keeps_its_process(tmp_pat
     import os
     import subprocess
 
-    from harness.trainer import Trainer, _Spare
+    from harness.trainer.handle import Trainer
+    from harness.trainer.spares import Spare
 
     out = tmp_path / "stdin.txt"
     with open(out, "w") as f:
@@ -91,7 +92,7 @@ def test_a_trainer_given_a_spare_tells_it_its_spec_and_keeps_its_process(tmp_pat
                                 start_new_session=True)
     read_end, write_end = os.pipe()
     os.close(write_end)
-    spare = _Spare(proc, tmp_path / "spare.log", tmp_path / "scratch", read_end)
+    spare = Spare(proc, tmp_path / "spare.log", tmp_path / "scratch", read_end)
     spec = TrainerSpec.make(url="http://127.0.0.1:1", engine="shm", packed=False)
     t = Trainer(spec, log_dir=tmp_path, spares=False, spare=spare)
     try:

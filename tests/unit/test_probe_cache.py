@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from harness import probe_cache, report
+from harness.pytest import report
+from harness.vllm import probe_cache
 
 ANSWER = ({"nccl_path": "factory", "errors": {}},
           {"shm": {"loadable": True, "reason": "ep"},
@@ -19,7 +20,7 @@ ANSWER = ({"nccl_path": "factory", "errors": {}},
 # A stand-in for report.PROBE_CHILD: counts its runs in CALLS, sleeps DELAY seconds,
 # then does what the real one does with ANSWER.
 FAKE_CHILD = """import json, sys, time
-from harness import probe_cache
+from harness.vllm import probe_cache
 open(CALLS, "a").write("probe\\n")
 time.sleep(DELAY)
 value = ANSWER
@@ -72,7 +73,7 @@ def test_another_installation_is_probed_again(cache_dir, tmp_path, monkeypatch):
 
 
 def test_the_key_names_the_installed_vllm():
-    from harness.facts import installed_vllm
+    from harness.core.facts import installed_vllm
 
     key = probe_cache.install_key()
     version, dist = installed_vllm()
@@ -132,7 +133,8 @@ def test_a_report_run_with_the_answer_cached_starts_no_python(pytester, monkeypa
     import subprocess
     import sys
 
-    from harness import known_issues as ki, layouts
+    from harness import known_issues as ki
+    from harness.run import layouts
 
     assert probe_cache.store(ANSWER)
     started = []
@@ -164,7 +166,7 @@ def test_gpus_are_counted_without_importing_a_cpu_build_of_torch(monkeypatch):
     import shutil
     import subprocess
 
-    from harness import layouts
+    from harness.run import layouts
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)  # no nvidia-smi

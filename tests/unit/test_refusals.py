@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from harness import client
-from harness.client import ControlPlaneError, ServerClient
+from harness.vllm import client
+from harness.vllm.client import ControlPlaneError, ServerClient
 
 SEEN_ON_H200 = {"error": {"message": "Call to collective_rpc method failed: CUDA error: "
                           "invalid argument", "type": "InternalServerError", "code": 500}}

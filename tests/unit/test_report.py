@@ -16,7 +16,9 @@ import pytest
 
 import harness
 from harness import known_issues as ki
-from harness import report
+from harness.pytest import report
+import harness.vllm
+from harness.vllm import capabilities
 
 INNER_TESTS = """
 import pytest
@@ -145,7 +147,7 @@ def test_report_document(inner_run, pytester):
     assert "/update_weights" in caps["routes_used"]
     assert caps["trainer_api"] == {"error": f"probes disabled ({report.PROBE_ENV}=0)"}
     eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins")
-           if e.value.startswith("harness.backends.shm")]
+           if e.value.startswith("harness.transfer.shm")]
     assert caps["backends"]["shm"]["loadable"] is bool(eps)
     assert rep["servers"] == []
 
@@ -276,7 +278,7 @@ def test_routes_captured_from_the_pool(pytester, monkeypatch, openapi_server):
     before the pool's teardown stops it."""
     pytester.makeconftest(f"""
 import pytest
-from harness.plugin import STATE
+from harness.pytest.plugin import STATE
 
 class Cfg:
     def describe(self):
@@ -324,36 +326,36 @@ def fake_pool(request):
 
 
 def test_probes_use_vllm_api(monkeypatch):
-    fake = types.ModuleType("harness.vllm_api")
+    fake = types.ModuleType("harness.vllm.api")
     fake.probe = lambda isolated=False: {"isolated": isolated, "nccl_path": "factory"}
     fake.backend_importable = lambda engine: (engine == "nccl", f"{engine} says hi")
-    monkeypatch.setitem(sys.modules, "harness.vllm_api", fake)
-    monkeypatch.setattr(harness, "vllm_api", fake, raising=False)
-    api, backends = report.backend_capabilities(True)
+    monkeypatch.setitem(sys.modules, "harness.vllm.api", fake)
+    monkeypatch.setattr(harness.vllm, "api", fake, raising=False)
+    api, backends = capabilities.backend_capabilities(True)
     assert api == {"isolated": True, "nccl_path": "factory"}
     assert backends["nccl"] == {"loadable": True, "reason": "nccl says hi"}
     assert backends["ipc"] == {"loadable": False, "reason": "ipc says hi"}
 
 
 def test_probes_tolerate_missing_vllm_api(monkeypatch):
-    monkeypatch.setitem(sys.modules, "harness.vllm_api", None)
-    monkeypatch.delattr(harness, "vllm_api", raising=False)
-    api, backends = report.backend_capabilities(True)
-    assert api["error"].startswith("harness.vllm_api unavailable")
+    monkeypatch.setitem(sys.modules, "harness.vllm.api", None)
+    monkeypatch.delattr(harness.vllm, "api", raising=False)
+    api, backends = capabilities.backend_capabilities(True)
+    assert api["error"].startswith("harness.vllm.api unavailable")
     assert backends["nccl"]["loadable"] is None and "unavailable" in backends["nccl"]["reason"]
 
 
 def test_probe_failure_is_recorded(monkeypatch):
-    fake = types.ModuleType("harness.vllm_api")
+    fake = types.ModuleType("harness.vllm.api")
 
     def probe(isolated=False):
         raise RuntimeError("vLLM probe child failed (exit 1)")
 
     fake.probe = probe
     fake.backend_importable = lambda engine: (_ for _ in ()).throw(OSError("no python"))
-    monkeypatch.setitem(sys.modules, "harness.vllm_api", fake)
-    monkeypatch.setattr(harness, "vllm_api", fake, raising=False)
-    api, backends = report.backend_capabilities(True)
+    monkeypatch.setitem(sys.modules, "harness.vllm.api", fake)
+    monkeypatch.setattr(harness.vllm, "api", fake, raising=False)
+    api, backends = capabilities.backend_capabilities(True)
     assert api == {"error": "RuntimeError: vLLM probe child failed (exit 1)"}
     assert backends["ipc"] == {"loadable": None, "reason": "OSError: no python"}
 
@@ -366,9 +368,9 @@ def test_an_interrupted_run_does_not_wait_for_the_probes(pytester, monkeypatch):
     monkeypatch.delenv("HARNESS_REPORT", raising=False)
     pid_file = pytester.path / "probe.pid"
     pytester.makeconftest(f"""
-import harness.probe_cache, harness.report
-harness.probe_cache.load = lambda: (None, None)  # no cached answer
-harness.report.PROBE_CHILD = (
+import harness.vllm.probe_cache, harness.pytest.report
+harness.vllm.probe_cache.load = lambda: (None, None)  # no cached answer
+harness.pytest.report.PROBE_CHILD = (
     "import os, sys, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
     "time.sleep(300)")  # a probe that does not finish in time
 """)

@@ -1,7 +1,7 @@
 """A report names the run's files relative to where pytest ran, never the machine's
 own paths: it can be committed as written."""
 
-from harness.report import relative_paths
+from harness.pytest.report import relative_paths
 
 
 def test_paths_under_the_run_directory_are_written_relative_to_it():

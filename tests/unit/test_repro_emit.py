@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, models, repro, repro_emit
-from harness import repro_script as script
-from harness.backends import shm
+from harness import models
+from harness.commands import cli
+from harness.commands import repro
+from harness.commands.repro import emit as repro_emit
+from harness.commands.repro import script
 from harness.portable import corrupt
+from harness.transfer import shm
 
 ROOT = Path(__file__).resolve().parents[2]
 STDLIB_AND_VLLM_DEPS = {
@@ -398,8 +401,8 @@ def test_emitted_script_compiles_and_carries_the_scenario(name, tmp_path):
 
 
 def test_server_flags_match_the_harness(tmp_path):
-    from harness.cases import server_config_for
-    from harness.server import build_command, build_env
+    from harness.run.cases import server_config_for
+    from harness.vllm.server import build_command, build_env
 
     sc = repro_emit.read_scenario(_emit(tmp_path, "r.py").read_text())
     parser = argparse.ArgumentParser()
@@ -506,7 +509,7 @@ def _weights():
 @pytest.mark.parametrize("kind", corrupt.CORRUPTIONS)
 def test_corruptions_are_the_harness_trainers(kind, emitted):
     """A script holds its scenario's corruption only, and damages as the harness does."""
-    from harness.trainer_child import corrupt_weights
+    from harness.trainer.damage import corrupt_weights
 
     script = emitted("nccl", "--corrupt", kind)
     text = Path(script.__file__).read_text()
@@ -817,3 +820,84 @@ def test_the_script_reads_top_to_bottom(name, tmp_path):
         "SCENARIO: dict", "\ndef run(", "\ndef main(", f"\ndef send_{engine}",
         "\ndef start_server(", "\ndef compare(", '\nif __name__ == "__main__":')}
     assert list(at) == sorted(at, key=at.get), sorted(at, key=at.get)
+
+
+class _ReadingClient:
+    """A server stand-in for the shm sender: each /update_weights payload, with what its
+    file holds read back (names, dtypes, shapes and the bytes of every tensor)."""
+
+    def __init__(self):
+        self.routes, self.updates = [], []
+
+    def init_weight_transfer_engine(self, info):
+        self.routes.append("/init_weight_transfer_engine")
+
+    def start_weight_update(self):
+        self.routes.append("/start_weight_update")
+
+    def update_weights(self, info):
+        import torch
+        from safetensors.torch import load_file
+
+        self.routes.append("/update_weights")
+        held = load_file(info["path"])
+        self.updates.append({k: v for k, v in info.items() if k != "path"} | {
+            "bytes": {n: t.view(-1).view(torch.uint8).numpy().tobytes()
+                      for n, t in held.items()}})
+
+    def finish_weight_update(self, *version):
+        self.routes.append("/finish_weight_update")
+
+
+def _mixed_weights():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [("embed_tokens.weight", torch.randn(32, 8, generator=g)),
+            ("layers.0.norm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),
+            ("lm_head.weight", torch.randn(32, 8, generator=g))]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_the_harness_and_an_emitted_script_send_the_same_shm_update(packed, emitted):
+    """One shm sender: the harness's ``Sender`` and the emitted script's ``send_shm`` run
+    the same bucket loop (harness/portable/send_shm.py), so a server sees the same
+    routes, names, dtypes, shapes and bytes from both."""
+    from harness.transfer import shm
+
+    script = emitted("shm")  # its send_shm takes the scenario's packed from ``sc``
+    ours, theirs = _ReadingClient(), _ReadingClient()
+    sender = shm.Sender(ours, packed=packed, options={})
+    sender.init()
+    sender.send(_mixed_weights())
+    sender.close()
+    script.send_shm(theirs, _mixed_weights(), {"packed": packed}, timeout=60)
+    assert ours.routes == theirs.routes
+    assert ours.updates == theirs.updates and ours.updates
+    assert [n for u in ours.updates for n in u["names"]] == [n for n, _ in _mixed_weights()]
+
+
+def test_a_sender_that_differs_from_the_script_is_caught(emitted, monkeypatch):
+    """The comparison above fails when the harness's sender drifts: here it sends one
+    tensor's bytes changed."""
+    from harness.portable import send_shm
+    from harness.transfer import shm
+
+    script = emitted("shm")
+    changed = []
+
+    def drifted(client, weights, *a, **kw):
+        weights = list(weights)
+        name, t = weights[-1]
+        changed.append(name)
+        return original(client, weights[:-1] + [(name, t + 1)], *a, **kw)
+
+    original = send_shm.send_buckets
+    monkeypatch.setattr(shm, "send_buckets", drifted)
+    ours, theirs = _ReadingClient(), _ReadingClient()
+    sender = shm.Sender(ours, packed=True, options={})
+    sender.init()
+    sender.send(_mixed_weights())
+    script.send_shm(theirs, _mixed_weights(), {"packed": True}, timeout=60)
+    assert changed == ["lm_head.weight"]
+    assert ours.updates != theirs.updates

@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from harness.server import ServerConfig, VLLMServer
+from harness.vllm.server import ServerConfig, VLLMServer
 
 
 class _SpyLock:

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import cases, layouts, models, plan as P
-from harness.backends import VARIANTS
-from harness.cases import Case, server_config_for, twin_config
-from harness.pool import start_seconds_by_mode
-from harness.server import build_command
+from harness import models
+from harness.run import cases
+from harness.run import layouts
+from harness.run import plan as P
+from harness.run.cases import Case, server_config_for, twin_config
+from harness.run.pool import start_seconds_by_mode
+from harness.transfer import VARIANTS
+from harness.vllm.server import build_command
 
 GPU, CPU = layouts.LAYOUTS["1gpu-colocated"], layouts.LAYOUTS["cpu"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import models
+from harness.models import zoo
 from harness.portable import base, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_a_conversion_parses_the_gguf_once():
 
     path = smollm2_gguf_path()
     before = (gguf.GGUFReader, gguf.get_tensor_name_map)
-    with models._gguf_parsed_once():
+    with zoo._gguf_parsed_once():
         first = gguf.GGUFReader(path)
         assert gguf.GGUFReader(path) is first, "the file was parsed twice"
         arch = next(iter(gguf.MODEL_ARCH_NAMES))

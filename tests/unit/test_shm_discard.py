@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
-from harness.backends import shm_engine  # noqa: E402
+from harness.transfer import shm_engine  # noqa: E402
 
 
 class _Model:

@@ -1,9 +1,9 @@
-"""A start's phases read from its log (harness.startup): the gaps between the first
+"""A start's phases read from its log (harness.vllm.startup): the gaps between the first
 line of each process and vLLM's own messages."""
 
 import datetime as dt
 
-from harness import startup
+from harness.vllm import startup
 
 LOG = """# python -m vllm.entrypoints.openai.api_server --model m
 (APIServer pid=1) INFO 12-03 09:44:38 [api_utils.py:347] version 0.32.0

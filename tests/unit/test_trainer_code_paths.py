@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import vllm_api
+from harness.vllm import api as vllm_api
 
 
 def _caps(**kw):

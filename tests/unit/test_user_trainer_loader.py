@@ -1,4 +1,4 @@
-"""A trainer of your own (harness/trainer_plugin.py): ``--vllm-trainer MODULE:ATTRIBUTE``
+"""A trainer of your own (harness/trainer/user.py): ``--vllm-trainer MODULE:ATTRIBUTE``
 or an entry point name is loaded and checked before anything starts, and a bad one is
 one usage error (exit 4) without a traceback; its cases' ids end ``-via-<label>``; the
 ``user`` pin of a trainers marker runs a test over it; the trainer process refuses what
@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness import settings, trainer_plugin
-from harness.trainer import TrainerSpec, run_trainer
+from harness.pytest import settings
+from harness.trainer import user as trainer_plugin
+from harness.trainer.handle import TrainerSpec, run_trainer
 
 REPO = Path(harness.__file__).resolve().parents[1]
 EXAMPLE = "examples.shm_sender:ShmSender"
@@ -148,8 +149,8 @@ def test_labels_and_pins():
 
 
 def test_the_trainer_process_refuses_what_only_the_harness_sender_does():
-    from harness.backends.vllm_code import Unavailable
-    from harness.trainer_child import _UserCode
+    from harness.trainer.child import _UserCode
+    from harness.transfer.vllm_code import Unavailable
 
     code = _UserCode(TrainerSpec(url="http://127.0.0.1:1", engine="shm", packed=False,
                                  code="senders:Good"), {})
@@ -204,7 +205,7 @@ def test_the_example_sends_every_parameter_and_broken_leaves_one_out(stand_in, t
     """Against a stand-in for the routes: init with the context's bucket directory, then
     one update naming every parameter of the model; with SHM_SENDER_DROP, one fewer."""
     from harness import models
-    from harness.reference import load_hf_model
+    from harness.oracles.reference import load_hf_model
 
     monkeypatch.chdir(REPO)  # the trainer imports examples/ as python -m does, from here
     names = [n for n, _ in load_hf_model(str(models.resolve_model("llama")[1]), "float32",

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from harness import vllm_api
 from harness.portable import trainer_api
-from harness.trainer_child import LyingClient
+from harness.trainer.damage import LyingClient
+from harness.vllm import api as vllm_api
 
 torch = pytest.importorskip("torch")
 
@@ -151,8 +151,7 @@ def test_a_032_style_source_is_refused_by_033s_base_class(v033):
                 return []
 
 
-@pytest.mark.parametrize("make", [vllm_api.weight_source, trainer_api.weight_source],
-                         ids=["harness", "repro-script"])
+@pytest.mark.parametrize("make", [trainer_api.weight_source], ids=["harness-and-script"])
 def test_the_source_takes_033s_shape(v033, make):
     weights = _weights()
     source = make(weights)
@@ -173,10 +172,10 @@ def test_the_source_takes_033s_shape(v033, make):
 def test_033_nccl_trainer_init_accepts_the_source_and_elides_unchanged_metadata(v033):
     weights, client = _weights(), _Recorder()
     engine = NCCLTrainerWeightTransferEngine.trainer_init(
-        {"rank": 0}, client=client, source=vllm_api.weight_source([]))
+        {"rank": 0}, client=client, source=trainer_api.weight_source([]))
     assert engine.rank == 0
     for _ in range(2):  # the harness swaps in a new source for every round
-        engine.source = vllm_api.weight_source(weights)
+        engine.source = trainer_api.weight_source(weights)
         assert engine.send_weights() == [n for n, _ in weights]
     assert client.posted[0]["names"] == [n for n, _ in weights]
     assert client.posted[1] == {"names": [], "dtype_names": [], "shapes": []}  # elided
@@ -190,7 +189,7 @@ def test_a_lie_about_metadata_has_metadata_to_lie_about_under_elision(v033):
     lie then lands on real names/shapes instead of 'nothing to lie about'."""
     weights, client = _weights(), _Recorder()
     engine = NCCLTrainerWeightTransferEngine.trainer_init(
-        {"rank": 0}, client=client, source=vllm_api.weight_source(weights))
+        {"rank": 0}, client=client, source=trainer_api.weight_source(weights))
     engine.send_weights()
     liar = LyingClient(client, "shapes")
     engine.client = liar
@@ -225,7 +224,7 @@ def test_engines_without_elision_are_left_alone():
 
 
 def test_the_nccl_sender_repeats_metadata_through_its_engine(monkeypatch):
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     sender = nccl.Sender.__new__(nccl.Sender)
     sender.engine = types.SimpleNamespace(_sent_meta=["x"])

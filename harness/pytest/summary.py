@@ -1,0 +1,96 @@
+"""What the plugin prints: its header lines and its section of pytest's summary."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness.core import environment
+from harness.pytest import selection as _selection
+from harness.pytest import settings as _settings
+from harness.run import parallel
+from harness.run import plan as _plan
+from harness.run.pool import start_seconds_by_mode
+
+
+def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[str]:
+    from harness.models import cache_root
+
+    return [
+        f"weight-sync-harness: {environment.summary_line()}, GPUs {s.gpus()}",
+        f"  models {list(s.vllm_model)}, dtypes {list(s.vllm_dtype)}, "
+        f"backends {list(s.vllm_backend)}, layouts {list(s.vllm_layout)}, "
+        f"modes {list(s.vllm_mode)}",
+        f"  cache {cache_root()}, server url {s.vllm_url or '(started per config)'}"
+        + (f", {len(plan.servers)} servers planned, {plan.max_starting} starting at once, "
+           f"{plan.max_alive} alive" if plan else ""),
+    ]
+
+
+def said_lines(config: pytest.Config, state) -> list[str]:
+    """What the selection asked for and what can run here, in at most three lines."""
+    reasons = _selection.selected(state.dropped, _selection.matcher(config))
+    said = _selection.summary(reasons, state.case_count, _selection.asked(config),
+                              state.settings.gpus())
+    if config.option.verbose > 0:
+        said += _selection.detail(reasons)
+    return said
+
+
+def terminal_summary(terminalreporter, config: pytest.Config, state) -> None:
+    """The plugin's section of pytest's summary: what the selection asked for, the
+    shards' cut, the servers started, restarted and reaped (``state``: the plugin's
+    ``RunState``, or None when it did not run)."""
+    if state is None or not (state.items or state.deselected or state.worker_outputs):
+        return
+    said, shortfall = said_lines(config, state), state.shortfall
+    if state.worker_outputs:  # side by side: the workers saw the selection
+        first = next(iter(sorted(state.worker_outputs.items())))[1]
+        said = first.get("said") or []
+        shortfall = next((o["shortfall"] for o in state.worker_outputs.values()
+                          if o.get("shortfall")), None)
+    if not (said or state.pool is not None or state.stop_error or shortfall
+            or any(r.startswith("in other shards") for r in state.deselected)
+            or any(o.get("started") for o in state.worker_outputs.values())):
+        return
+    tr = terminalreporter
+    tr.section("weight-sync-harness")
+    for line in said:
+        tr.write_line(line)
+    for reason, n in sorted(state.deselected.items()):  # --harness-shard's cut
+        if reason.startswith("in other shards"):
+            tr.write_line(f"deselected {n}: {reason}")
+    if shortfall:
+        tr.write_line(shortfall, red=True)
+    pool = state.pool
+    planned = len(state.plan.servers) if state.plan else None
+    if pool is None and any(o.get("started") for o in state.worker_outputs.values()):
+        pool = parallel.MergedPool(state.worker_outputs, state.t0)
+        planned = sum(o.get("servers_planned", 0) for o in state.worker_outputs.values())
+        tr.write_line(f"side by side: {len(state.worker_outputs)} workers, " + ", ".join(
+            f"{w} {o.get('servers_planned', 0)} servers"
+            for w, o in sorted(state.worker_outputs.items())))
+    if pool is not None:
+        f = pool.start_figures()
+        of = f" of {planned} planned" if planned is not None else ""
+        tr.write_line(f"vLLM servers started: {f['servers_started']}{of}, "
+                      f"{f['restarts']} restarts, {len(pool.resets)} resets; start time "
+                      f"{f['start_seconds_sum']:.0f}s summed, {f['start_wall_seconds']:.0f}s "
+                      f"wall; suite wall time {time.monotonic() - state.t0:.1f}s")
+        by_mode = start_seconds_by_mode(pool.started)
+        if len(by_mode) > 1 or set(by_mode) - {"eager"}:
+            tr.write_line("start time by serving mode: " + "; ".join(
+                f"{m} {v['servers']} servers, mean {v['mean']:.0f}s, max {v['max']:.0f}s"
+                for m, v in by_mode.items()))
+        for srv in pool.started:
+            where = f"  [{srv['worker']}]" if "worker" in srv else ""
+            tr.write_line(f"  {srv['start_seconds']:.1f}s  vllm {srv['version']}  "
+                          f"{srv['config']}{where}")
+        for r in pool.restarts:
+            tr.write_line(f"restarted {r['config']}: {r['reason']}")
+        for o in pool.reaped:
+            tr.write_line(f"reaped an orphan of a run that was killed: "
+                          f"{o if isinstance(o, str) else o.describe()}")
+    if state.stop_error:
+        tr.write_line(f"stopping the servers failed: {state.stop_error}", red=True)

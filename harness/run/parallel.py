@@ -1,0 +1,357 @@
+"""Tests side by side: pytest-xdist workers, each running whole servers.
+
+pytest-xdist (``-n N``) gives the processes, the report stream, ``-x`` and crash
+handling. Its ``--dist loadgroup`` cannot serve as it is, for two reasons measured
+against this suite (docs/planning.md, "Tests side by side"): it appends ``@group`` to
+every grouped test's id, so reports, known-issue ids and ``harness diff`` against a
+serial run no longer match; and it hands groups out as workers ask, so a worker learns
+which servers it needs only when their first test arrives, while server starts are
+what a run waits for and the pool starts them ahead. So this module schedules instead:
+
+* every worker collects the whole selection and makes the same partition of it
+  (``harness.run.partition``: server groups, the longest cut into replicas, spread over
+  the workers by estimated cost); worker K plans and starts only the servers of bin K,
+  from its first second;
+* worker gw0 writes the partition (test id -> bin) where the controller reads it;
+* ``Scheduling`` (the controller) gives each worker the tests that need no server
+  first, a module at a time as it asks for them, then its own bin's tests in plan
+  order, all at once;
+* each worker sends what the report and the summary need of its pool (servers
+  started, restarts, resets, plan) back when it ends (``worker_output``), and the
+  controller merges them into one report (``MergedPool``).
+
+It takes over ``-n N`` (xdist's ``--dist load``, the default of ``-n``); another
+``--dist`` is left to xdist, without any partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from harness.run import partition
+from harness.run import plan as _plan
+from harness.run.pool import start_figures
+
+DIR_ENV = "HARNESS_XDIST_DIR"   # set by the controller: where gw0 writes the partition
+MAX_WORKERS = 8
+PARTITION_WAIT_S = 180.0
+
+
+# ----------------------------------------------------------------------------- both sides
+
+def auto_workers(host: _plan.Host) -> int:
+    """``-n auto``: as many workers as servers may start at once (two cores a start,
+    ``Host.max_starting``), at most ``MAX_WORKERS``."""
+    return max(1, min(MAX_WORKERS, host.max_starting()))
+
+
+def plan_workers(asked, host: _plan.Host) -> int:
+    """The workers a ``--harness-plan`` run plans for: ``-n N``, or ``-n auto`` on the
+    host planned for (``--harness-plan-host``)."""
+    if asked in ("auto", "logical"):
+        return auto_workers(host)
+    return int(asked or 0)
+
+
+def ours(config) -> bool:
+    """This run is scheduled here: xdist is on with its default distribution."""
+    return (config.getoption("dist", "no") == "load" and bool(config.getoption("tx", None))
+            or DIR_ENV in os.environ and hasattr(config, "workerinput"))
+
+
+def worker(config) -> tuple[int, int] | None:
+    """(this worker's index, worker count) in a run scheduled here; None elsewhere."""
+    wi = getattr(config, "workerinput", None)
+    if wi is None or DIR_ENV not in os.environ:
+        return None
+    return int(str(wi["workerid"]).lstrip("gw")), int(wi["workercount"])
+
+
+def worker_bounds(host: _plan.Host, configs, n: int) -> tuple[int, int]:
+    """(servers starting at once, servers alive) for one of ``n`` workers: the host's
+    bounds shared out, but at least one start and the three servers one test may hold
+    (a server, its twin and a twin in the other mode)."""
+    return (max(1, host.max_starting() // n),
+            max(3, host.max_alive(list(configs)) // n))
+
+
+@dataclasses.dataclass
+class Partition:
+    """The bins of a run: ``bins[k]`` the groups of worker (or shard) k."""
+
+    bins: list[list[partition.Group]]
+    critical: partition.Group | None
+
+    def bin_of(self, needs: Sequence[_plan.Need | None]) -> list[int | None]:
+        """Per test: its bin, or None for a test that needs no server."""
+        out: list[int | None] = [None] * len(needs)
+        for k, b in enumerate(self.bins):
+            for g in b:
+                if g.servers:
+                    for i in g.tests:
+                        out[i] = k
+        return out
+
+    def loads(self) -> list[float]:
+        return [sum(g.cost for g in b if g.servers) for b in self.bins]
+
+
+def make_partition(needs: Sequence[_plan.Need | None], host: _plan.Host, n: int) -> Partition:
+    gs = partition.groups(needs, host)
+    servers = [g for g in gs if g.servers]
+    if n > 1:
+        servers = partition.split_long(servers, n, needs, host)
+    return Partition(partition.assign(servers, n), partition.critical_path(servers))
+
+
+def describe(p: Partition, needs: Sequence[_plan.Need | None], host: _plan.Host,
+             free_tests: int) -> list[str]:
+    """The partition as lines for ``--harness-plan``: per worker its servers, tests and
+    estimated wall time, and the critical path."""
+    n = len(p.bins)
+    start, test = _plan.estimates(host)
+    free = free_tests * _plan.NO_SERVER_TEST_SECONDS / n
+    walls = []
+    out = []
+    for k, b in enumerate(p.bins):
+        idx = sorted(i for g in b for i in g.tests)
+        sub = [needs[i] for i in idx]
+        wall = 0.0
+        if sub:
+            starting, alive = worker_bounds(host, (c for g in b for c in g.servers), n)
+            pl = _plan.make_plan(sub, host, max_starting=starting, max_alive=alive)
+            # the other workers start theirs at the same time: a start is as slow as
+            # all workers' starts together make it
+            width = n * pl.max_starting
+            wall = _plan.simulate(pl, lambda m: start(m * width // max(1, pl.max_starting)),
+                                  test).wall_seconds
+        walls.append(wall + free)
+        servers = sum(len(g.servers) for g in b)
+        out.append(f"  worker {k}: {servers} servers, {len(idx)} tests, about "
+                   f"{(wall + free) / 60:.1f} min")
+        out += [f"      {g.describe()}" for g in b]
+    head = [f"with {n} workers (-n {n}): about {max(walls, default=0) / 60:.1f} min of wall "
+            f"time expected, the slowest worker's; {free_tests} tests without a server are "
+            f"shared out as workers ask"]
+    if p.critical is not None:
+        c = p.critical
+        head.append(f"critical path: {c.describe()} (the longest chain of tests on one server;"
+                    f" no worker count makes the run shorter)")
+    return head + out
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def write_partition(bins: list[int | None], ids: Sequence[str]) -> None:
+    """gw0's partition, for the controller: test id -> bin (null: no server)."""
+    d = Path(os.environ[DIR_ENV])
+    tmp = d / "partition.json.tmp"
+    tmp.write_text(json.dumps(dict(zip(ids, bins))))
+    tmp.replace(d / "partition.json")
+
+
+def worker_output(state: Any) -> dict:
+    """What the controller needs of a worker's pool, JSON-safe."""
+    pool = state.pool
+    out: dict[str, Any] = {"deselected": dict(state.deselected),
+                           "gpu_cases": dict(state.gpu_cases), "stop_error": state.stop_error,
+                           "plan": state.plan.as_dict(state.schedule) if state.plan else None,
+                           "servers_planned": len(state.plan.servers) if state.plan else 0}
+    if pool is not None:
+        out.update(t0=pool.t0, started=list(pool.started), restarts=list(pool.restarts),
+                   resets=list(pool.resets), samples=list(pool.samples),
+                   reaped=[o.describe() for o in pool.reaped])
+    return out
+
+
+# ----------------------------------------------------------------------------- controller side
+
+class MergedPool:
+    """The workers' pools, seen as one for the report and the summary: records from
+    each worker with its times moved onto the controller's clock (monotonic, shared by
+    every process of the host) and the worker named."""
+
+    def __init__(self, outputs: dict[str, dict], t0: float):
+        self.t0 = t0
+        self.started, self.restarts, self.resets, self.samples = [], [], [], []
+        self.reaped: list[str] = []
+        self.servers: dict = {}
+        for wid, o in sorted(outputs.items()):
+            shift = o.get("t0", t0) - t0
+            for s in o.get("started", []):
+                s = dict(s, worker=wid)
+                for k in ("started_at", "ready_at"):
+                    if k in s:
+                        s[k] = round(s[k] + shift, 3)
+                self.started.append(s)
+            self.restarts += [dict(r, worker=wid, at=round(r.get("at", 0) + shift, 3))
+                              for r in o.get("restarts", [])]
+            self.resets += [dict(r, worker=wid) for r in o.get("resets", [])]
+            self.samples += [dict(s, worker=wid, at=round(s["at"] + shift, 1))
+                             for s in o.get("samples", [])]
+            self.reaped += o.get("reaped", [])
+        self.started.sort(key=lambda s: s.get("started_at", 0))
+
+    def start_figures(self) -> dict:
+        return start_figures(self.started)
+
+
+class Scheduling:
+    """The controller's scheduler (pytest-xdist's protocol): tests without a server to
+    whichever worker asks, a few at a time; then each worker's own bin at once."""
+
+    CHUNK = 4
+
+    def __init__(self, config, log=None):
+        self.config = config
+        self.numnodes = len(config.getoption("tx"))
+        self.collection: list[str] | None = None
+        self.node2collection: dict = {}
+        self.node2pending: dict = {}
+        self.free: list[list[int]] = []   # the tests without a server, by module
+        self.own: dict[int, list[int]] = {}
+        self.orphans: list[int] = []
+        self.collection_is_completed = False
+        self._scheduled = False
+        self.log = log
+
+    # -- protocol
+    @property
+    def nodes(self):
+        return list(self.node2pending)
+
+    @property
+    def tests_finished(self) -> bool:
+        if not self.collection_is_completed or not self._scheduled:
+            return False
+        if self.free or self.orphans or any(self.own.values()):
+            return False
+        return all(len(p) < 2 for p in self.node2pending.values())
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.free or self.orphans or any(self.own.values())
+                    or any(self.node2pending.values()))
+
+    def add_node(self, node) -> None:
+        self.node2pending[node] = []
+
+    def add_node_collection(self, node, collection) -> None:
+        collection = list(collection)
+        if self.collection is None:
+            self.collection = collection
+        elif collection != self.collection:
+            from xdist.report import report_collection_diff
+
+            raise RuntimeError(report_collection_diff(self.collection, collection,
+                                                      "gw0", node.gateway.id))
+        self.node2collection[node] = collection
+        if len(self.node2collection) >= self.numnodes:
+            self.collection_is_completed = True
+
+    def mark_test_complete(self, node, item_index, duration: float = 0) -> None:
+        self.node2pending[node].remove(item_index)
+        self._feed(node)
+
+    def mark_test_pending(self, item: str) -> None:
+        self.orphans.append(self.collection.index(item))
+        for node in self.nodes:
+            self._feed(node)
+
+    def remove_pending_tests_from_node(self, node, indices) -> None:
+        for i in indices:
+            self.node2pending[node].remove(i)
+        self.orphans += list(indices)
+
+    def remove_node(self, node):
+        pending = self.node2pending.pop(node)
+        self.orphans += self.own.pop(self._bin(node), [])
+        if not pending:
+            return None
+        crash = self.collection[pending.pop(0)]
+        self.orphans += pending
+        for other in self.nodes:
+            self._feed(other)
+        return crash
+
+    def schedule(self) -> None:
+        assert self.collection_is_completed
+        if self._scheduled:
+            return
+        bins = read_partition(self.collection)
+        modules: dict[str, list[int]] = {}
+        for i, b in enumerate(bins):
+            if b is None or b >= self.numnodes:
+                modules.setdefault(self.collection[i].split("::", 1)[0], []).append(i)
+            else:
+                self.own.setdefault(b, []).append(i)
+        # a module's tests go to one worker together: its module-scoped fixtures (a
+        # session killed once, then inspected by several tests) are made once
+        self.free = list(modules.values())
+        self._scheduled = True
+        for node in self.nodes:
+            self._feed(node)
+
+    # -- ours
+    def _bin(self, node) -> int:
+        return int(str(node.gateway.id).lstrip("gw"))
+
+    def _feed(self, node) -> None:
+        if node not in self.node2pending or getattr(node, "shutting_down", False):
+            return
+        pending = self.node2pending[node]
+        if len(pending) >= 2:
+            return
+        send: list[int] = []
+        if self.free:  # whole modules, at least CHUNK tests when there are that many
+            while self.free and len(send) < self.CHUNK:
+                send += self.free.pop(0)
+        elif self.own.get(self._bin(node)):
+            send = self.own.pop(self._bin(node))
+        elif self.orphans:
+            send, self.orphans = self.orphans[:self.CHUNK], self.orphans[self.CHUNK:]
+        if send:
+            pending.extend(send)
+            node.send_runtest_some(send)
+        elif not pending:
+            node.shutdown()
+
+
+def read_partition(collection: Sequence[str], wait: float = PARTITION_WAIT_S) -> list[int | None]:
+    """The bins gw0 wrote, in the collection's order (waits for the file: gw0 writes it
+    as its collection ends, the controller may ask first)."""
+    path = Path(os.environ[DIR_ENV]) / "partition.json"
+    deadline = time.monotonic() + wait
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"weight-sync-harness: worker gw0 wrote no partition to {path} "
+                               f"within {wait:.0f}s; run without -n to see why")
+        time.sleep(0.1)
+    bins = json.loads(path.read_text())
+    missing = [nid for nid in collection if nid not in bins]
+    if missing:
+        raise RuntimeError(f"weight-sync-harness: gw0's partition lacks {len(missing)} of the "
+                           f"collected tests, e.g. {missing[0]}")
+    return [bins[nid] for nid in collection]
+
+
+def remove_controller_dir() -> None:
+    d = os.environ.pop(DIR_ENV, None)
+    if d:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def controller_dir() -> str:
+    """A fresh directory for gw0's partition; its path goes to the workers through the
+    environment they inherit."""
+    d = tempfile.mkdtemp(prefix="harness-xdist-")
+    os.environ[DIR_ENV] = d
+    return d

@@ -1,0 +1,1 @@
+"""The trainer: the parent's handle and its spares (`handle`), the child process that holds the weights and sends them (`child`), a sender of your own (`user`), and LoRA adapters as a trainer writes them (`lora`)."""

@@ -1,0 +1,124 @@
+"""``ipc``: the trainer side of vLLM's CUDA IPC weight-transfer engine.
+
+The trainer exports CUDA IPC handles to its tensors (one per tensor, or one per
+packed staging buffer) and posts them in ``/update_weights``; the worker opens
+them on the same physical GPU, so the trainer must share the server's GPU. The
+handles are not JSON: over HTTP they travel pickled and base64-encoded as
+``ipc_handles_pickled``, which the worker unpickles only when the server runs
+with VLLM_ALLOW_INSECURE_SERIALIZATION=1. ``harness.vllm.api.RecordingClient``
+does that conversion, because ``ServerClient`` posts payloads verbatim.
+
+Which vLLM API builds the handles is decided in ``harness.vllm.api``:
+
+* ``factory`` (0.27.1+): ``IPCTrainerInitInfo`` + the trainer factory; the
+  engine calls all four routes itself, and ``packed`` rides the init info.
+* ``static`` (0.26): ``IPCWeightTransferEngine.trainer_send_weights`` posts
+  only ``/update_weights`` (through a callable ``send_mode``, so through our
+  client); init, start and finish are ours, and ``packed`` rides each update.
+* ``raw`` (neither): one handle per tensor built here with torch; unpacked only.
+
+Unlike NCCL nothing here waits on a peer: each step is an HTTP call bounded by
+the client's timeout, so no extra threads are needed. What persists between
+updates is the trainer's CUDA context and, on the factory path, vLLM's trainer
+engine; the first update pays for both (seconds), later ones take milliseconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness import transfer
+from harness.core.facts import update_info
+from harness.transfer import check_on_device, cuda_device
+from harness.portable.trainer_api import weight_source  # the scripts' own
+from harness.vllm import api as vllm_api
+
+
+class IpcSendError(RuntimeError):
+    pass
+
+
+class Sender:
+    """CUDA IPC from the trainer's GPU, which must be the server's. Options: ``device``,
+    ``packed_buffer_size_bytes`` (the staging buffer; vLLM's default is 1 GiB,
+    allocated on the trainer's GPU when packed)."""
+
+    def __init__(self, client, *, packed: bool, options: dict):
+        import torch
+
+        self.caps, self.path = vllm_api.sender_path("ipc", IpcSendError)
+        self.device = cuda_device(options, IpcSendError, "CUDA IPC shares CUDA memory")
+        # vLLM reads the current device to name the GPU (its UUID) in every handle.
+        torch.cuda.set_device(self.device)
+        self.rc = vllm_api.RecordingClient(client)
+        self.packed = packed
+        self.geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
+                         if options.get("packed_buffer_size_bytes") else {})
+        self.engine = None  # the factory path's trainer engine, kept across updates
+
+    def init(self) -> None:
+        if self.path == "factory":
+            # packed rides the init info; the engine calls every route itself, the
+            # init route here. Each update then swaps in the weights to send.
+            factory = vllm_api.lookup("WeightTransferTrainerFactory")
+            init_cls = vllm_api.lookup("IPCTrainerInitInfo")
+            self.engine = factory.trainer_init(init_cls(rank=0, packed=self.packed,
+                                                        **self.geometry),
+                                               client=self.rc, source=weight_source([]))
+        else:
+            # 0.26's IPC init info has no fields; the call is still the protocol's first step.
+            self.rc.init_weight_transfer_engine({})
+
+    def send(self, weights: list[tuple[str, Any]]):
+        if self.packed and self.path == "raw":
+            raise IpcSendError("this vLLM has no IPC trainer API (neither IPCTrainerInitInfo "
+                               "nor trainer_send_weights); the harness's raw fallback sends "
+                               "unpacked only")
+        weights = list(weights)
+        check_on_device(weights, self.device, IpcSendError)
+        self.rc.reset()
+        api_path = {"factory": self._via_factory, "static": self._via_static,
+                    "raw": self._via_raw}[self.path](weights)
+        # One update_weights call per packed buffer, or one for all tensors unpacked.
+        return transfer.send_result(weights, chunks=self.rc.update_calls, api_path=api_path,
+                                    client=self.rc, path=self.path, device=str(self.device))
+
+    def close(self) -> None:
+        self.engine = None
+
+    def _via_factory(self, weights) -> str:
+        self.engine.source = weight_source(weights)
+        self.engine.send_weights()  # start, update(s), finish; keeps its handles until finish
+        return ("vLLM trainer engine: WeightTransferTrainerFactory.trainer_init("
+                "IPCTrainerInitInfo) + send_weights")
+
+    def _via_static(self, weights) -> str:
+        send_weights = vllm_api.lookup("IPCWeightTransferEngine.trainer_send_weights")
+        rc = self.rc
+        rc.start_weight_update()
+        # send_mode as a callable: vLLM hands us each IPCWeightTransferUpdateInfo and we
+        # post it through our client (errors with context, our timeout) instead of its
+        # own requests.post. A dict keeps IPCTrainerSendWeightsArgs' fields vLLM's.
+        send_weights(iter(weights), {
+            "send_mode": lambda info: rc.update_weights(vllm_api.update_info_as_dict(info)),
+            "packed": self.packed, **self.geometry})
+        rc.finish_weight_update()
+        return ("vLLM static API: IPCWeightTransferEngine.trainer_send_weights with a "
+                "callable send_mode, HTTP routes driven by the harness")
+
+    def _via_raw(self, weights) -> str:
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        # The handles do not keep their storage alive: hold the tensors until finish.
+        shared = [(n, t.detach().contiguous()) for n, t in weights]
+        info = update_info(shared, ipc_handles=[{uuid: reduce_tensor(t)[1]} for _, t in shared])
+        if "packed" in (self.caps.get("ipc_update_info_fields") or []):
+            info["packed"] = False
+        self.rc.start_weight_update()
+        self.rc.update_weights(info)
+        self.rc.finish_weight_update()
+        del shared
+        torch.cuda.ipc_collect()
+        return "raw: torch reduce_tensor handles per tensor, HTTP routes driven by the harness"

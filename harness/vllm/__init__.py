@@ -1,0 +1,1 @@
+"""vLLM as a server: start and stop (`server`), its HTTP control plane (`client`), several API servers on one port (`frontends`), how each release's API differs (`api`), where a start's time goes (`startup`), capability probes (`probe_cache`), leftover processes (`reaper`) and the GPU-memory lock around starts and sleeps (`memory_lock`)."""

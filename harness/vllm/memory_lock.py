@@ -1,0 +1,69 @@
+"""Sleep beside other servers on one GPU: a lock between starts and sleeps.
+
+vLLM's GPU worker reads the device's free memory before and after it sleeps, and fails
+the sleep with "Memory usage increased after sleeping." when the free memory fell in
+between (``v1/worker/gpu_worker.py`` ``sleep``, read in 0.32.0). The figure is
+device-wide: a server that starts meanwhile on the same GPU, mapping its weights and
+KV cache, makes another server's sleep fail. Seen on 1 x H200 (vLLM 0.26.0) with eight
+workers side by side: a 5-cycle sleep test got HTTP 500 from /sleep.
+
+So, in a parallel run on a GPU host, a server start holds this lock shared until it is
+healthy, and a sleep or a wake holds it alone. One run, one lock file, in the run's
+shared folder (``HARNESS_XDIST_DIR``); elsewhere the lock does nothing. Every wait is
+bounded: past ``WAIT_S`` the call goes ahead without the lock and says so in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+DIR_ENV = "HARNESS_XDIST_DIR"   # the parallel run's shared folder (harness.run.parallel)
+WAIT_S = 900.0                  # a start's own limit is about this long
+log = logging.getLogger(__name__)
+
+
+def _path() -> Path | None:
+    d = os.environ.get(DIR_ENV)
+    if not d or not _gpu_host():
+        return None
+    return Path(d) / "gpu-memory.lock"
+
+
+def _gpu_host() -> bool:
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+@contextlib.contextmanager
+def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = None,
+         wait_s: float = WAIT_S) -> Iterator[bool]:
+    """Hold the lock (``exclusive`` for a sleep or a wake, shared for a start) while the
+    block runs; yields whether it is held. ``gpu=False`` (a CPU server) holds nothing;
+    ``path`` overrides the run's lock file."""
+    path = (path or _path()) if gpu else None
+    if path is None:
+        yield False
+        return
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: the GPU memory lock was not free after %.0f s; going "
+                                "ahead without it", what, wait_s)
+                    yield False
+                    return
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
