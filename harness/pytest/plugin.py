@@ -139,7 +139,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if s.harness_shard:  # applied after -k, -m and the harness's deselection
         from harness.pytest.sharding import ShardPlugin
 
-        config.pluginmanager.register(ShardPlugin(state, need), "harness-shard")
+        config.pluginmanager.register(
+            ShardPlugin(state, need, lambda c, items, needs: _share_out(c, state, items, needs)),
+            "harness-shard")
     if s.harness_report:
         from harness.pytest.report import ReportPlugin
 
@@ -229,7 +231,8 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     needs = {id(it): need(it, state.settings, paths) for it in items}
     keys = {id(it): (_plan.order_key(needs[id(it)]), i) for i, it in enumerate(items)}
     items.sort(key=lambda it: keys[id(it)])
-    _share_out(config, state, items, [needs[id(it)] for it in items])
+    if not state.settings.harness_shard:  # else the shard's cut, made after this, shares out
+        _share_out(config, state, items, [needs[id(it)] for it in items])
 
 
 def _share_out(config: pytest.Config, state: RunState, items: list, needs: list) -> None:

@@ -22,9 +22,12 @@ SHARDS = pytest.StashKey[tuple]()   # (bins, needs, settings) of the whole selec
 class ShardPlugin:
     """Registered by the plugin's ``pytest_configure`` when ``--harness-shard`` is set."""
 
-    def __init__(self, state, need: Callable):
+    def __init__(self, state, need: Callable, share_out: Callable):
         self.state = state   # the plugin's RunState: settings, the deselection counter
         self.need = need     # harness.pytest.parametrize.need(item, settings, paths)
+        # share_out(config, items, needs): the plugin's cut of the shard over its workers
+        # (-n), made after this cut, so that the workers share out this shard's tests
+        self.share_out = share_out
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
@@ -40,6 +43,7 @@ class ShardPlugin:
             self.state.deselected[f"in other shards of --harness-shard {k}/{n}"] += len(dropped)
             config.hook.pytest_deselected(items=dropped)
             items[:] = [it for i, it in enumerate(items) if i in keep]
+        self.share_out(config, items, [needs[i] for i in sorted(keep)])
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

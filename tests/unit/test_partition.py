@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def selection(request, tmp_path_factory):
         env.pop(name, None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-p", "needs_dump", "--harness-plan", "--harness-plan-host", spec,
-                        "-k", keyword, "--harness-shard", f"{k}/{n}"],
+                        "-k", keyword, "--harness-shard", f"{k}/{n}", "-n", "4"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = pickle.loads((tmp / "needs.pkl").read_bytes())
@@ -108,6 +109,11 @@ def test_the_plugin_keeps_the_shard_partition_computes(selection):
     for j in range(1, n + 1):  # --harness-plan shows every shard, then this shard's plan
         assert f"  shard {j}/{n}: " in out
     assert f"the plan of shard {k}/{n}" in out and f"server plan for {host.describe()[:12]}" in out
+    # side by side (-n 4), the workers share out this shard's tests, not the selection's
+    # (they did, and the plan's per-worker view failed with an IndexError)
+    workers = re.findall(r"^  worker \d+: \d+ servers, (\d+) tests", out, re.M)
+    assert len(workers) == 4
+    assert sum(map(int, workers)) == sum(needs[i] is not None for i in mine)
 
 
 def _need(name: str, twin: bool = False) -> P.Need:
