@@ -386,7 +386,7 @@ def test_ctrl_c_during_a_sync_leaves_nothing_running(tmp_path):
         slow = s.test("test_a_slow_sync")
         print(json.dumps({"exit": rc, "stop_seconds": round(stopped, 2), "running_during": during,
                           "left": left}, indent=1))
-        assert any("vllm" in d for d in during) and any("harness.trainer.handle" in d for d in during), (
+        assert any("vllm" in d for d in during) and any("harness.trainer.child" in d for d in during), (
             f"the server and trainer were not both running at the interrupt: {during}")
         assert rc == 2 and "KeyboardInterrupt" in s.output(), s.output()[-3000:]
         assert stopped < STOPPED_WITHIN

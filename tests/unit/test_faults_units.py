@@ -133,7 +133,7 @@ def test_a_trainer_gets_the_key_in_its_environment_and_loses_its_scratch_when_ki
     try:
         p = psutil.Process(t.pid)
         deadline = time.monotonic() + 10  # until exec has replaced the forked parent
-        while "harness.trainer.handle" not in " ".join(p.cmdline()) and time.monotonic() < deadline:
+        while "harness.trainer.child" not in " ".join(p.cmdline()) and time.monotonic() < deadline:
             time.sleep(0.02)
         env = p.environ()
         assert env[API_KEY_ENV] == "s3cret" and "s3cret" not in " ".join(p.cmdline())
