@@ -423,7 +423,7 @@ def test_a_half_woken_server_holds_requests(awake, level):
     new = s.perturbed(SEEDS["l2"][1]) if level == 2 else None
     s.ensure_holds(new)
     ref = s.reference(new)
-    awake_ids = s.observe(ref)[0].token_ids   # the server's own greedy output, awake
+    awake_ids = s.observe(ref)[0].greedy_ids  # the server's own greedy output, awake
     s.client.sleep(level=level)
     if level == 2:
         s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
@@ -452,7 +452,7 @@ def test_requests_while_asleep_are_held(awake):
     s = awake
     s.ensure_holds()
     ref = s.reference()
-    awake_ids = s.observe(ref)[0].token_ids   # the server's own greedy output, awake
+    awake_ids = s.observe(ref)[0].greedy_ids  # the server's own greedy output, awake
     s.client.sleep(level=1)
     held = HeldRequest(s, ref.prompts[0])
     answered = held.answered_within(HOLD_S)

@@ -341,17 +341,33 @@ def read_partition(collection: Sequence[str], wait: float = PARTITION_WAIT_S) ->
     return [bins[nid] for nid in collection]
 
 
-def remove_controller_dir() -> None:
-    d = os.environ.pop(DIR_ENV, None)
-    if d:
-        import shutil
+OWNER_FILE = "controller.pid"  # in the folder: the process that made it, and removes it
 
-        shutil.rmtree(d, ignore_errors=True)
+
+def remove_controller_dir() -> None:
+    """The end of the controller's run: its folder goes, and only its own. A pytest run
+    inside a test of this run (the harness's own tests make them) inherits the path and
+    must leave it: the workers' GPU-memory lock lives there (it removed it once, and
+    every later start and sleep of that run failed)."""
+    d = os.environ.get(DIR_ENV)
+    if not d:
+        return
+    try:
+        owner = int((Path(d) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        owner = None
+    if owner != os.getpid():
+        return
+    os.environ.pop(DIR_ENV, None)
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def controller_dir() -> str:
     """A fresh directory for gw0's partition; its path goes to the workers through the
     environment they inherit."""
     d = tempfile.mkdtemp(prefix="harness-xdist-")
+    (Path(d) / OWNER_FILE).write_text(str(os.getpid()))
     os.environ[DIR_ENV] = d
     return d

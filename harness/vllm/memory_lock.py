@@ -50,6 +50,7 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
         yield False
         return
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    path.parent.mkdir(parents=True, exist_ok=True)  # the run's folder, if it went early
     with open(path, "a+") as f:
         deadline = time.monotonic() + wait_s
         while True:

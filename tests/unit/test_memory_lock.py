@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from harness.vllm import memory_lock
 
@@ -61,3 +63,32 @@ def test_nothing_is_locked_for_a_cpu_server_or_outside_a_parallel_run(tmp_path, 
     monkeypatch.delenv(memory_lock.DIR_ENV, raising=False)
     with memory_lock.held(True, "serial run") as got:
         assert not got
+
+
+def test_a_run_inside_a_test_leaves_the_outer_runs_folder(monkeypatch):
+    """The lock lives in the controller's folder. A pytest run inside a test of the same
+    run inherits the folder's path; at its end it must not remove it (it did, on 1 x H200:
+    every later start and sleep of the run failed with FileNotFoundError). Only the
+    process that made the folder removes it."""
+    from harness.run import parallel
+
+    monkeypatch.delenv(parallel.DIR_ENV, raising=False)
+    d = Path(parallel.controller_dir())
+    try:
+        inner = subprocess.run([sys.executable, "-c",
+                                "from harness.run import parallel; parallel.remove_controller_dir()"],
+                               timeout=120, capture_output=True, text=True)
+        assert inner.returncode == 0, inner.stderr
+        assert d.is_dir(), "a run of another process removed the controller's folder"
+        lock = d / "gpu-memory.lock"
+        with memory_lock.held(True, "a sleep", path=lock) as got:
+            assert got
+    finally:
+        parallel.remove_controller_dir()
+    assert not d.exists() and parallel.DIR_ENV not in os.environ
+
+
+def test_a_lock_whose_folder_went_is_made_again(tmp_path):
+    path = tmp_path / "gone" / "gpu-memory.lock"
+    with memory_lock.held(False, "a start", path=path) as got:
+        assert got and path.exists()
