@@ -552,9 +552,9 @@ from harness.oracles import parity
 
 @pytest.mark.trainers("vllm")
 def test_the_vllm_path_with_an_api_key(harness):
-    ref = harness.oracles.reference()
+    ref = harness.reference()
     try:
-        result = harness.run.sync()
+        result = harness.sync()
     except Exception as e:
         harness.record(vllm_path_sync=str(e).splitlines()[0][:400])
         raise

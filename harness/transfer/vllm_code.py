@@ -275,7 +275,7 @@ class SeedTrainer:
                                **self.client_facts}
         last = getattr(self.engine, "last", None)  # the shm trainer engine's own count
         if last is not None:
-            out.update(chunks=last.buckets, update_calls=last.buckets)
+            out.update(chunks=last["buckets"], update_calls=last["buckets"])
         return out
 
     def close(self) -> None:
