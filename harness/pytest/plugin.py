@@ -317,6 +317,9 @@ def pytest_runtestloop(session: pytest.Session):
     # test, as the harness's own tests make, must not stop the outer run's spares).
     if state is not None and state.plan is not None and state.plan.servers and runs:
         _start_pool(session.config, state)
+    elif (state is not None and runs
+          and (slots := parallel.start_slots(session.config, state.settings.host())) is not None):
+        slots.idle(True)  # a worker without servers: its start slot is the others' to use
     try:
         yield
     finally:
@@ -355,11 +358,16 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
         spares = min(spares, 1)
     processes = TrainerProcesses(spares, log_dir)
     atexit.register(processes.close)  # a run cut short still stops its spares
+    slots = parallel.start_slots(config, s.host())
+    # side by side, the host's slots bound the starts: a worker may start as many of its
+    # own servers at once as it keeps alive, in slots the other workers do not need
+    max_starting = plan.max_starting if plan else 1
+    if slots is not None and not s.vllm_max_starting:
+        max_starting = plan.max_alive if plan else 1
     pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
                                    processes=processes,
                                    max_alive=plan.max_alive if plan else 2,
-                                   max_starting=plan.max_starting if plan else 1,
-                                   url=s.vllm_url)
+                                   max_starting=max_starting, url=s.vllm_url, slots=slots)
     if plan is not None:
         # every planned server's trainer: started and prepared as soon as it is up
         paths: dict[str, str] = {}

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 from harness.run import partition
 from harness.run import plan as _plan
 from harness.run.pool import start_figures
+from harness.run.start_slots import StartSlots
 
 DIR_ENV = "HARNESS_XDIST_DIR"   # set by the controller: where gw0 writes the partition
 MAX_WORKERS = 8
@@ -71,6 +72,15 @@ def worker(config) -> tuple[int, int] | None:
     if wi is None or DIR_ENV not in os.environ:
         return None
     return int(str(wi["workerid"]).lstrip("gw")), int(wi["workercount"])
+
+
+def start_slots(config, host: _plan.Host) -> StartSlots | None:
+    """This worker's view of the host's start slots (``harness.run.start_slots``), in a
+    run scheduled here with two workers or more; None elsewhere."""
+    share = worker(config)
+    if share is None or share[1] < 2:
+        return None
+    return StartSlots(os.environ[DIR_ENV], host.max_starting(), *share)
 
 
 def worker_bounds(host: _plan.Host, configs, n: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import enum
 import threading
@@ -45,6 +46,7 @@ from pathlib import Path
 from harness import models
 from harness.core import measure
 from harness.trainer.handle import Trainer, TrainerError, TrainerSpec, trainer_env
+from harness.run.start_slots import StartSlots
 from harness.trainer.spares import Spares, TrainerProcesses
 from harness.vllm import reaper
 from harness.vllm import startup
@@ -89,9 +91,11 @@ class Holding:
 class ServerPool:
     def __init__(self, log_dir: Path, *, start_timeout: float, max_alive: int,
                  max_starting: int | None = None, url: str | None = None, reap: bool = True,
-                 processes: TrainerProcesses | None = None):
+                 processes: TrainerProcesses | None = None, slots: StartSlots | None = None):
         # the run's trainer spares and retired trainers (the pytest session's)
         self.processes = processes or TrainerProcesses()
+        # a parallel run's start slots, the host's, shared with the other workers
+        self.slots = slots
         self.reaped: list[reaper.Orphan] = reaper.reap() if reap else []
         self.log_dir, self.start_timeout, self.url = Path(log_dir), start_timeout, url
         self.max_alive = max(1, max_alive)
@@ -169,8 +173,13 @@ class ServerPool:
                 if cfg in self.servers or cfg in self._starting or cfg in self.poisoned:
                     continue
                 self._submit(cfg)
+            idle = not any(c not in self.servers and c not in self.poisoned for c in self._plan)
+        if self.slots is not None:
+            self.slots.idle(idle)
 
     def _submit(self, cfg: ServerConfig) -> cf.Future:
+        if self.slots is not None:
+            self.slots.idle(False)
         future = self._starting[cfg] = self._executor.submit(self._start_job, cfg)
         return future
 
@@ -215,13 +224,17 @@ class ServerPool:
         # (10-20 s on 2 cores, which the server's three processes importing one after
         # another leave room for); each takes its trainer's spec once the server is up.
         early = self._early_trainers(cfg)
+        gate = (self.slots.held(cfg.describe()) if self.slots is not None
+                else contextlib.nullcontext(None))
         try:
-            try:  # a zoo model is built in its server's start, beside the other starts
-                models.ensure_built(cfg.model)
-            except models.ModelUnavailable as e:
-                raise ServerError(f"cannot start {cfg.describe()}: {e}") from None
-            built = time.monotonic() - t0
-            srv.start()
+            with gate as slot:
+                t_built = time.monotonic()
+                try:  # a zoo model is built in its server's start, beside the other starts
+                    models.ensure_built(cfg.model)
+                except models.ModelUnavailable as e:
+                    raise ServerError(f"cannot start {cfg.describe()}: {e}") from None
+                built = time.monotonic() - t_built
+                srv.start()
         except BaseException:
             for spare in early:
                 spare.discard()
@@ -234,6 +247,8 @@ class ServerPool:
                   "started_at": round(t0 - self.t0, 3),
                   "ready_at": round(time.monotonic() - self.t0, 3),
                   "starting_together": together, "model_seconds": round(built, 3)}
+        if slot is not None:  # the host's start slot it waited for (a parallel run)
+            record["start_slot"] = slot
         if getattr(srv, "launched_at", None) is not None:  # where the start's time went (harness.vllm.startup)
             record["profile"] = startup.profile(srv.log_path, srv.launched_at, srv.start_seconds)
         if again:

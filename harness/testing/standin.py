@@ -53,6 +53,8 @@ MISBEHAVIOURS: dict[str, str] = {
                         "while paused is served at once: that engine ignores the pause",
     "abort_drops_stream_finish": "a stream aborted before its first token ends with a bare [DONE] "
                                  "(no finish_reason), as vLLM 0.26-0.32 do",
+    "abort_spares_held": "mode=abort finishes only the requests that were generating: those "
+                         "held by an earlier pause wait on, unanswered, until /resume",
 }
 
 VOCAB = 512
@@ -85,7 +87,8 @@ class StandinServer:
 
     def __init__(self, *, misbehave: set[str] | frozenset[str] | tuple = (), step_s: float = 0.004,
                  modes: tuple[str, ...] = ("abort", "wait", "keep"), legacy_wait_flag: bool = False,
-                 model: str = "standin", refuse_while_paused: bool = False):
+                 model: str = "standin", refuse_while_paused: bool = False,
+                 arrival_delay_s: float = 0.0):
         unknown = set(misbehave) - set(MISBEHAVIOURS)
         if unknown:
             raise ValueError(f"unknown misbehaviours {sorted(unknown)}; "
@@ -95,6 +98,9 @@ class StandinServer:
         self.legacy_wait_flag = legacy_wait_flag
         # vLLM 0.33: abort/wait refuse requests sent while paused (HTTP 503), keep queues
         self.refuse_while_paused = refuse_while_paused
+        # a loaded API server: a completion reaches the engine this long after it arrives
+        # (seen on 1 x H200 beside seven starting servers: over 1.2 s)
+        self.arrival_delay_s = arrival_delay_s
         self.seed = 0
         self.pause_mode: str | None = None   # None: running
         self.stuck = False                   # resume_never_releases
@@ -186,6 +192,8 @@ class StandinServer:
             if (mode == "abort" and "abort_ignored" not in m) or (mode == "keep" and "keep_aborts" in m) \
                     or (mode == "wait" and "wait_aborts" in m):
                 for r in list(self.requests):
+                    if r.held and mode == "abort" and "abort_spares_held" in m:
+                        continue
                     r.finish_reason = "abort"
                     r.emit([], "abort")
                     self.requests.remove(r)
@@ -353,6 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
                                        "code": 503}})
             return
         rank = self.headers.get("X-data-parallel-rank")
+        if s.arrival_delay_s:
+            time.sleep(s.arrival_delay_s)
         r = s.add([int(t) for t in prompt], int(body.get("max_tokens", 16)),
                   dp_rank=int(rank) if rank is not None and rank.isdigit() else None)
         r.return_token_ids = bool(body.get("return_token_ids"))

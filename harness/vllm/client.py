@@ -212,16 +212,18 @@ class ServerClient:
         KV cache, 2 drops both (a server started with --enable-sleep-mode; without
         it, or on a CPU, vLLM only pauses scheduling). 0.26 answers an empty 200,
         0.32 ``{"status": "sleeping", "level": N}``. Alone among this run's servers'
-        starts and sleeps on the GPU: vLLM judges a sleep by the device's free memory."""
-        with memory_lock.held(True, "POST /sleep"):
+        starts, wakes and sleeps on the GPU: vLLM judges a sleep by the device's free
+        memory. Level 0 only pauses scheduling (nothing is freed or judged)."""
+        with memory_lock.held(True, "POST /sleep", gpu=str(level) != "0"):
             return self._call("POST", "/sleep", params={"level": level, **params},
                               timeout=timeout)
 
     def wake_up(self, tags: list[str] | None = None, timeout: float | None = None) -> Any:
         """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``: part of it;
-        scheduling resumes once nothing sleeps). Alone, like a sleep: a wake maps memory
-        that another server's sleep would count against itself."""
-        with memory_lock.held(True, "POST /wake_up"):
+        scheduling resumes once nothing sleeps). Shared, like a start: a wake maps memory
+        that another server's sleep would count against itself, and nothing judges a
+        wake by the device's memory (``gpu_worker.wake_up``, read in 0.26.0)."""
+        with memory_lock.held(False, "POST /wake_up"):
             return self._call("POST", "/wake_up",
                               params={"tags": list(tags)} if tags else None, timeout=timeout)
 

@@ -1,4 +1,4 @@
-"""Sleep beside other servers on one GPU: a lock between starts and sleeps.
+"""Sleep beside other servers on one GPU: a lock between starts, wakes and sleeps.
 
 vLLM's GPU worker reads the device's free memory before and after it sleeps, and fails
 the sleep with "Memory usage increased after sleeping." when the free memory fell in
@@ -8,7 +8,9 @@ KV cache, makes another server's sleep fail. Seen on 1 x H200 (vLLM 0.26.0) with
 workers side by side: a 5-cycle sleep test got HTTP 500 from /sleep.
 
 So, in a parallel run on a GPU host, a server start holds this lock shared until it is
-healthy, and a sleep or a wake holds it alone. One run, one lock file, in the run's
+healthy, a wake holds it shared while it maps memory back, and a sleep (level 1 or 2)
+holds it alone. A wake is not judged by the device's memory (``wake_up``, read in
+0.26.0), so starts and wakes may overlap each other; only a sleep waits for them. One run, one lock file, in the run's
 shared folder (``HARNESS_XDIST_DIR``); elsewhere the lock does nothing. Every wait is
 bounded: past ``WAIT_S`` the call goes ahead without the lock and says so in the log.
 """
@@ -41,11 +43,12 @@ def _gpu_host() -> bool:
 
 @contextlib.contextmanager
 def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = None,
-         wait_s: float = WAIT_S) -> Iterator[bool]:
+         wait_s: float | None = None) -> Iterator[bool]:
     """Hold the lock (``exclusive`` for a sleep or a wake, shared for a start) while the
     block runs; yields whether it is held. ``gpu=False`` (a CPU server) holds nothing;
     ``path`` overrides the run's lock file."""
     path = (path or _path()) if gpu else None
+    wait_s = WAIT_S if wait_s is None else wait_s
     if path is None:
         yield False
         return

@@ -92,3 +92,29 @@ def test_a_lock_whose_folder_went_is_made_again(tmp_path):
     path = tmp_path / "gone" / "gpu-memory.lock"
     with memory_lock.held(False, "a start", path=path) as got:
         assert got and path.exists()
+
+
+def test_a_wake_shares_the_lock_with_starts_and_only_a_real_sleep_waits(tmp_path, monkeypatch):
+    """What the client takes: a wake maps memory like a start (shared: it does not wait
+    for starts, which a 5-cycle test on a busy GPU would pay for at every wake), a sleep
+    at level 1 waits for them, a sleep at level 0 frees nothing and takes nothing."""
+    from harness.vllm.client import ServerClient
+
+    path = tmp_path / "gpu-memory.lock"
+    monkeypatch.setattr(memory_lock, "_path", lambda: path)
+    monkeypatch.setattr(ServerClient, "_call", lambda self, *a, **kw: {})
+    client = ServerClient("http://127.0.0.1:9", timeout=1.0)
+    monkeypatch.setattr(memory_lock, "WAIT_S", 1.0)
+    start = _holder(path, exclusive=False, seconds=HOLD_S)   # a server start elsewhere
+    try:
+        waits = {}
+        for what, call in (("wake", lambda: client.wake_up()),
+                           ("sleep level 0", lambda: client.sleep(level=0)),
+                           ("sleep level 1", lambda: client.sleep(level=1))):
+            t0 = time.monotonic()
+            call()
+            waits[what] = time.monotonic() - t0
+        assert waits["wake"] < 0.5 and waits["sleep level 0"] < 0.5, waits
+        assert waits["sleep level 1"] >= 0.9, f"a sleep went ahead beside a start: {waits}"
+    finally:
+        start.wait(timeout=60)

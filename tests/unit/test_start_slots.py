@@ -1,0 +1,108 @@
+"""The host's start slots, shared by the workers of a parallel run
+(harness.run.start_slots), and the pool starting through them. Fakes only: no server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from harness.run import pool as pool_mod
+from harness.run.start_slots import StartSlots
+from harness.vllm.server import ServerConfig
+
+
+def test_a_worker_starts_in_its_own_slot_and_borrows_only_what_nobody_needs(tmp_path):
+    w0, w1 = (StartSlots(tmp_path, 2, k, 2, wait_s=0.5) for k in (0, 1))
+    with w0.held("w0 first") as a:
+        assert a["slot"] == 0 and not a["borrowed"], a
+        with w0.held("w0 second") as b:   # worker 1 still has starts to make
+            assert b["slot"] is None and b["waited"] >= 0.4, b
+        w1.idle(True)                     # worker 1 has none left: its slot is free to use
+        with w0.held("w0 second, again") as b:
+            assert b["slot"] == 1 and b["borrowed"], b
+            w1.idle(False)                # a restart of worker 1 waits for the borrower
+            with w1.held("w1 restart") as c:
+                assert c["slot"] is None, c
+        with w1.held("w1 restart, again") as c:
+            assert c["slot"] == 1 and not c["borrowed"], c
+
+
+def test_spare_slots_are_anyones_and_a_worker_beyond_the_slots_takes_any(tmp_path):
+    w0 = StartSlots(tmp_path, 3, 0, 2, wait_s=0.5)      # slot 2: no worker's
+    with w0.held("a") as a, w0.held("b") as b:
+        assert (a["slot"], b["slot"]) == (0, 2), (a, b)
+    w2 = StartSlots(tmp_path, 2, 2, 3, wait_s=0.5)      # -n 3 on a host of 2 slots
+    with w2.held("w2") as c:
+        assert c["slot"] in (0, 1) and c["borrowed"], c
+
+
+def test_every_wait_is_bounded_and_said(tmp_path, caplog):
+    w0 = StartSlots(tmp_path, 1, 0, 1, wait_s=0.3)
+    with caplog.at_level(logging.WARNING), w0.held("a"):
+        with w0.held("b") as b:
+            assert b["slot"] is None
+    assert "no start slot free after" in caplog.text
+
+
+def _pool(tmp_path, monkeypatch, slots, starts: list, hold_s: float):
+    class Server:
+        def __init__(self, cfg, **kw):
+            self.cfg, self.url, self.version, self.log_path = cfg, "", "x", None
+            self.start_seconds = hold_s
+
+        def start(self):
+            starts.append((self.cfg.model, "begin", time.monotonic()))
+            time.sleep(hold_s)
+            starts.append((self.cfg.model, "end", time.monotonic()))
+            self.url = "http://127.0.0.1:1"
+
+        def alive(self):
+            return True
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(pool_mod, "VLLMServer", Server)
+    monkeypatch.setattr(pool_mod.models, "ensure_built", lambda model: None)
+    return pool_mod.ServerPool(tmp_path / "logs", start_timeout=5, max_alive=4,
+                               max_starting=4, reap=False, slots=slots)
+
+
+def test_a_busy_worker_starts_in_the_slot_an_idle_worker_left(tmp_path, monkeypatch):
+    """Worker 0 plans three servers, worker 1 one: once worker 1's start is done, its
+    slot carries worker 0's starts too, never more than the host's two at a time."""
+    starts: list = []
+    folder = tmp_path / "run"
+    p0 = _pool(tmp_path, monkeypatch, StartSlots(folder, 2, 0, 2), starts, 0.6)
+    p1 = _pool(tmp_path, monkeypatch, StartSlots(folder, 2, 1, 2), starts, 0.6)
+    try:
+        p1.plan([ServerConfig(model="/w1-a")])
+        p0.plan([ServerConfig(model=f"/w0-{x}") for x in "abc"])
+        deadline = time.monotonic() + 20
+        while sum(1 for s in starts if s[1] == "end") < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p0._executor.shutdown(wait=True)
+    finally:
+        for p in (p0, p1):
+            p._closed = True
+    events = sorted((t, what) for _, what, t in starts)
+    at_once, most = 0, 0
+    for _, what in events:
+        at_once += 1 if what == "begin" else -1
+        most = max(most, at_once)
+    assert sum(1 for s in starts if s[1] == "end") == 4, starts
+    assert most == 2, f"{most} starts at once on a host of 2 slots: {starts}"
+    borrowed = [r for r in p0.started if r.get("start_slot", {}).get("borrowed")]
+    assert borrowed, f"worker 0 never used worker 1's slot: {p0.started}"
+
+
+def test_a_pool_without_slots_starts_as_before(tmp_path, monkeypatch):
+    starts: list = []
+    p = _pool(tmp_path, monkeypatch, None, starts, 0.1)
+    p.plan([ServerConfig(model="/a")])
+    threading.Event().wait(0.5)
+    p._executor.shutdown(wait=True)
+    p._closed = True
+    assert [s[1] for s in starts] == ["begin", "end"]
+    assert "start_slot" not in p.started[0]
