@@ -1,1 +1,2 @@
-"""The `harness` command and its subcommands: demo, repro, diff, matrix, merge and bench."""
+"""The `harness` command and its subcommands: demo, repro, diff, matrix, merge,
+durations and bench."""

@@ -11,6 +11,8 @@ COMMANDS = {
                                "the raw limit of their data path"),
     "demo": ("harness.commands.demo", "the seed flow, narrated and asserted, against a real server"),
     "diff": ("harness.commands.diff", "compare two JSON reports; non-zero exit when something regressed"),
+    "durations": ("harness.commands.durations", "measure the plan's per-test durations again from "
+                                         "run reports"),
     "matrix": ("harness.commands.matrix", "one table of vLLM release x check from one report per release, "
                                  "with the first release of every known issue"),
     "merge": ("harness.commands.merge", "join the reports of one run's shards (--harness-shard K/N) "

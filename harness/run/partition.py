@@ -17,8 +17,10 @@ which may be split freely.
 * ``critical_path`` is the costliest group: however many bins, the run takes at least
   that long.
 
-Costs are estimates (``harness.run.plan.estimates``): a start per server plus a fixed
-time per test. Nothing here imports pytest or starts anything.
+Costs are estimates (``harness.run.plan.estimates``): a start per server plus each
+test's measured duration (its function's, ``harness.run.durations``; a fixed time where
+none is measured), so a replica that gets the slow tests gets fewer of them. Nothing
+here imports pytest or starts anything.
 """
 
 from __future__ import annotations
@@ -64,9 +66,7 @@ def _costs(host: _plan.Host):
 def _cost(needs: Sequence[_plan.Need | None], tests: Sequence[int],
           servers: Sequence[ServerConfig], host: _plan.Host) -> float:
     start, test = _costs(host)
-    return (start * len(servers)
-            + sum(test(needs[i]) if needs[i] is not None else _plan.NO_SERVER_TEST_SECONDS
-                  for i in tests))
+    return start * len(servers) + sum(test(needs[i]) for i in tests)
 
 
 def groups(needs: Sequence[_plan.Need | None], host: _plan.Host) -> list[Group]:
@@ -125,17 +125,21 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
         rest = [i for i in g.tests if needs[i].twin is None]
         start, test = _costs(host)
         chunks: list[list[int]] = [list(twinned)] + [[] for _ in range(k - 1)]
-        loads = [start * (1 + bool(twinned)) + test(None) * len(twinned)] + [start] * (k - 1)
+        loads = ([start * (1 + bool(twinned)) + sum(test(needs[i]) for i in twinned)]
+                 + [start] * (k - 1))
         # fill each replica up to the run's fair share, counting the starts the cut
         # adds; the last takes what is left, and a smaller group can join its bin
-        per = max((sum(loads) + test(None) * len(rest)) / k,
+        per = max((sum(loads) + sum(test(needs[i]) for i in rest)) / k,
                   (total + start * (k - 1)) / n)
         b = 0
         for i in rest:  # fill replica b up to the share, then the next
-            if loads[b] >= per and b < k - 1:
+            cost = test(needs[i])
+            # a test goes where more of it falls within the share: one slow test (a
+            # minute, against a second for most) must not push a replica past it
+            if chunks[b] and loads[b] + cost / 2 > per and b < k - 1:
                 b += 1
             chunks[b].append(i)
-            loads[b] += test(needs[i])
+            loads[b] += cost
         chunks = [sorted(c) for c in chunks if c]
         for r, c in enumerate(chunks):
             cfgs = [g.servers[0]] + ([s for s in g.servers[1:]] if any(

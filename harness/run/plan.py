@@ -27,7 +27,8 @@ How many servers start at once and how many are alive depend on the host
 (``Host``): starts are CPU-bound (Python imports of two processes, then the engine's
 initialisation), alive servers cost memory (GPU memory for GPU servers, host memory
 for CPU ones). ``simulate`` turns a plan into the expected waves and wall time, from
-start and test durations that are estimates, or the figures of an earlier report.
+start and test durations that are estimates: a start's from the host, a test's its
+function's median in earlier reports (``harness.run.durations``).
 
 Nothing here starts anything or imports pytest: ``--harness-plan`` prints a plan
 (for any number of GPUs, on any host), the pool executes one.
@@ -41,6 +42,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable
 
+from harness.run import durations
 from harness.vllm.server import ServerConfig
 
 GIB = 1 << 30
@@ -340,16 +342,26 @@ def simulate(plan: Plan, start_seconds: Callable[[int], float],
 # alone, 80 s each for 2 together (docs/planning.md).
 START_ALONE = {"gpu": 45.0, "cpu": 54.0}
 START_SLOWDOWN = {"gpu": 0.05, "cpu": 0.48}
-# a test on a warm server, trainer starts included (GPU: 879 s over 209 tests)
+# A test on a warm server is its function's measured median (harness.run.durations);
+# a function not measured yet takes this, trainer starts included (GPU: 879 s over
+# 209 tests).
 TEST_SECONDS = {"gpu": 4.0, "cpu": 4.0}
 NO_SERVER_TEST_SECONDS = 0.2
 
 
-def estimates(host: Host) -> tuple[Callable[[int], float], Callable[[Need], float]]:
-    """(start_seconds(n), test_seconds(need)) for ``simulate`` on ``host``."""
+def estimates(host: Host) -> tuple[Callable[[int], float], Callable[[Need | None], float]]:
+    """(start_seconds(n), test_seconds(need)) for ``simulate`` on ``host``; a need of
+    None is a test without a server."""
     kind = "gpu" if host.gpus else "cpu"
-    alone, slowdown, test = START_ALONE[kind], START_SLOWDOWN[kind], TEST_SECONDS[kind]
-    return (lambda n: alone * (1 + slowdown * max(0, n - 1))), (lambda need: test)
+    alone, slowdown = START_ALONE[kind], START_SLOWDOWN[kind]
+    measured, fallback = durations.table(kind), TEST_SECONDS[kind]
+
+    def test_seconds(need: Need | None) -> float:
+        if need is None:
+            return NO_SERVER_TEST_SECONDS
+        return measured.get(durations.function_of(need.test), fallback)
+
+    return (lambda n: alone * (1 + slowdown * max(0, n - 1))), test_seconds
 
 
 # ----------------------------------------------------------------------------- text

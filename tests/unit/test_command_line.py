@@ -127,7 +127,7 @@ def test_harness_version_prints_the_version(capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    ([], "harness: name a command: bench, demo, diff, matrix, merge, repro (see harness --help)"),
+    ([], "harness: name a command: bench, demo, diff, durations, matrix, merge, repro (see harness --help)"),
     (["frob"], "harness: argument COMMAND: invalid choice: 'frob'"),
     (["demo", "--nope"], "harness demo: unrecognized arguments: --nope (see harness demo --help)"),
     (["repro", "--nope"], "harness repro: unrecognized arguments: --nope"),

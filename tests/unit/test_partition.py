@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.run import partition
+from harness.run import durations, partition
 from harness.run import plan as P
 from harness.vllm.server import ServerConfig
 
@@ -163,3 +163,52 @@ def test_tests_without_a_server_are_sharded_and_a_plan_of_them_runs_nothing(pyte
                            "--harness-plan")
     assert "  shard 2/2: 2 tests (2 without a server) on 0 servers" in r.stdout.str()
     assert "passed" not in r.stdout.str(), r.stdout.str()
+
+
+# seconds of each function's tests, as harness.run.durations measures them: the pause
+# tests (tens of seconds) sit together in run order between quick ones
+CLUSTERED = {"test_refused": 0.5, "test_pause_cycles": 50.0, "test_parity": 1.0}
+
+
+def _clustered_needs() -> list[P.Need]:
+    cfg = ServerConfig(model="/zoo/llama", backend="ipc", dtype="float32", device_ids=(0,))
+    names = ["test_refused"] * 20 + ["test_pause_cycles"] * 10 + ["test_parity"] * 30
+    return [P.Need(f"tests/t.py::{name}[{i}]", cfg) for i, name in enumerate(names)]
+
+
+def _replica_seconds(needs, host) -> list[float]:
+    """What each replica of the one server costs by the measured durations."""
+    start = P.estimates(host)[0](1)
+    gs = partition.split_long(partition.groups(needs, host), 3, needs, host)
+    assert len(gs) == 3 and {g.replicas for g in gs} == {3}
+    return [start + sum(CLUSTERED[needs[i].test.split("::")[1].split("[")[0]]
+                        for i in g.tests) for g in gs]
+
+
+def test_replicas_are_cut_by_measured_durations_not_by_test_count(monkeypatch):
+    """Cut by count (every test 4 s), one replica gets all ten pause tests: 555 s against
+    55 and 65. Cut by what the tests take, the three are within a quarter of each other."""
+    host = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
+    needs = _clustered_needs()
+    monkeypatch.setattr(durations, "table", lambda kind: CLUSTERED)
+    measured = _replica_seconds(needs, host)
+    assert max(measured) - min(measured) <= 0.25 * max(measured), measured
+    monkeypatch.setattr(durations, "table", lambda kind: {})
+    uniform = _replica_seconds(needs, host)
+    assert max(uniform) - min(uniform) > 0.25 * max(uniform), uniform
+
+
+def test_the_twins_slow_tests_count_for_the_replica_that_takes_them(monkeypatch):
+    """The tests that need the twin all go to the first replica; they are counted at
+    their measured seconds, so the first replica takes no more of the others than its
+    share leaves (at 4 s each, it took 70 of the 100 quick ones besides: 260 s to 75)."""
+    host = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
+    monkeypatch.setattr(durations, "table", lambda kind: CLUSTERED)
+    twinned = _need("llama", twin=True)
+    needs = ([dataclasses.replace(twinned, test=f"tests/t.py::test_pause_cycles[{i}]")
+              for i in range(2)]
+             + [dataclasses.replace(twinned, test=f"tests/t.py::test_parity[{i}]", twin=None)
+                for i in range(100)])
+    first, second = partition.split_long(partition.groups(needs, host), 2, needs, host)
+    assert first.tests == (0, 1) and len(second.tests) == 100
+    assert (first.cost, second.cost) == (pytest.approx(2 * 45 + 100), pytest.approx(45 + 100))
