@@ -118,3 +118,33 @@ def test_a_wake_shares_the_lock_with_starts_and_only_a_real_sleep_waits(tmp_path
         assert waits["sleep level 1"] >= 0.9, f"a sleep went ahead beside a start: {waits}"
     finally:
         start.wait(timeout=60)
+
+
+def test_a_sleep_is_not_starved_by_starts_that_keep_overlapping(tmp_path):
+    """Starts that overlap one another without a gap (eight workers on one GPU) kept a
+    sleep waiting until they were all done: 435-559 s on 1 x H200. A sleep now waits
+    only for the starts under way when it asks; later ones wait for it."""
+    import threading
+
+    path = tmp_path / "gpu-memory.lock"
+    stop = threading.Event()
+
+    def start_after_start():
+        while not stop.is_set():
+            with memory_lock.held(False, "a start", path=path, wait_s=30):
+                time.sleep(0.6)
+
+    starts = [threading.Thread(target=start_after_start, daemon=True) for _ in range(3)]
+    for i, t in enumerate(starts):
+        t.start()
+        time.sleep(0.2)   # staggered: at every moment some start is under way
+    try:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        with memory_lock.held(True, "a sleep", path=path, wait_s=8) as got:
+            waited = time.monotonic() - t0
+        assert got and waited < 3.0, f"the sleep waited {waited:.1f} s beside overlapping starts"
+    finally:
+        stop.set()
+        for t in starts:
+            t.join(timeout=30)
