@@ -427,6 +427,8 @@ def session(request: pytest.FixtureRequest, case: Case, server_pool: ServerPool)
     sess = _session(request, case, server_pool,
                     fresh=request.node.get_closest_marker("fresh_server") is not None)
     yield sess
+    if sess.client.sleep_retries:  # a sleep raced another process's allocation (client.sleep)
+        sess.record(sleep_retries=sess.client.sleep_retries)
     restarted = sess.leave_healthy()
     if restarted:
         warnings.warn(restarted, stacklevel=2)

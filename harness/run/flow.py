@@ -100,7 +100,8 @@ class SyncSession:
         return srv
 
     def client_for(self, srv: VLLMServer) -> ServerClient:
-        return ServerClient(srv.url, context=srv.describe_failure, api_key=srv.cfg.api_key)
+        return ServerClient(srv.url, context=srv.describe_failure, api_key=srv.cfg.api_key,
+                            sleep_frees_memory=srv.cfg.enable_sleep_mode)
 
     def twin(self, weights_dir: str | Path, *, mode: str | None = None
              ) -> tuple[VLLMServer, ServerClient]:

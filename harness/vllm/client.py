@@ -14,8 +14,10 @@ server that never retry and always time out.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -24,10 +26,14 @@ import requests
 from harness.core.facts import WaitTimeout, wait_until
 from harness.vllm import memory_lock
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     import openai
 
 # How long /is_paused may take to follow a /pause or /resume that answered 200.
+SLEEP_RACE = "Memory usage increased after sleeping"  # vLLM's GPU worker, on a shared GPU
+SLEEP_TRIES = 3
 STATE_CONFIRM_S = 30.0  # a hang guard: on 2 shared cores, beside other workers, 10 s was exceeded
 # vLLM started without --api-key ignores the key; the SDK refuses to run without one.
 SDK_API_KEY = "EMPTY"
@@ -71,8 +77,12 @@ class ServerClient:
 
     def __init__(self, url: str, *, timeout: float = 300.0, model: str | None = None,
                  context: Callable[[], str] | None = None,
-                 confirm_timeout: float = STATE_CONFIRM_S, api_key: str | None = None):
+                 confirm_timeout: float = STATE_CONFIRM_S, api_key: str | None = None,
+                 sleep_frees_memory: bool | None = None):
         self.url = url.rstrip("/")
+        # False: a server without --enable-sleep-mode, whose /sleep frees nothing (sleep)
+        self.sleep_frees_memory = sleep_frees_memory
+        self.sleep_retries = 0
         self.timeout = timeout
         self.confirm_timeout = confirm_timeout
         self._model = model
@@ -157,7 +167,7 @@ class ServerClient:
         """A client for the same server with its own HTTP session (one per thread)."""
         return ServerClient(self.url, timeout=self.timeout, model=self._model,
                             context=self._context_of, confirm_timeout=self.confirm_timeout,
-                            api_key=self.api_key)
+                            api_key=self.api_key, sleep_frees_memory=self.sleep_frees_memory)
 
     # ------------------------------------------------------------------ pause / resume
     def pause(self, mode: str | None = None, timeout: float | None = None, *,
@@ -214,9 +224,28 @@ class ServerClient:
         0.32 ``{"status": "sleeping", "level": N}``. Alone among this run's servers'
         starts, wakes and sleeps on the GPU: vLLM judges a sleep by the device's free
         memory. Level 0 only pauses scheduling (nothing is freed or judged)."""
-        with memory_lock.held(True, "POST /sleep", gpu=str(level) != "0"):
-            return self._call("POST", "/sleep", params={"level": level, **params},
-                              timeout=timeout)
+        gpu = str(level) != "0"
+        for attempt in range(1, SLEEP_TRIES + 1):
+            with memory_lock.held(True, "POST /sleep", gpu=gpu) as locked:
+                try:
+                    return self._call("POST", "/sleep", params={"level": level, **params},
+                                      timeout=timeout)
+                except ControlPlaneError as e:
+                    if not (locked and self.sleep_frees_memory is False
+                            and SLEEP_RACE in e.detail and attempt < SLEEP_TRIES):
+                        raise
+            # A server without sleep mode frees nothing, so vLLM's device-wide check fails
+            # when any other process of this run allocates on the GPU meanwhile (the lock
+            # holds starts and wakes, not trainers or requests being served). vLLM raised
+            # before it marked itself asleep and its allocator pool is empty, so the server
+            # is awake, paused, and can be asked again (``Executor.sleep``, read in 0.26.0).
+            # A sleep-mode server is never asked twice: its weights were already moved.
+            log.warning("%s: /sleep?level=%s failed with %r while other processes of this run "
+                        "share the GPU (try %d of %d); asking again", self.url, level,
+                        SLEEP_RACE, attempt, SLEEP_TRIES)
+            self.sleep_retries += 1
+            time.sleep(0.5 * attempt)
+        raise AssertionError("unreachable")  # the last try returned or raised
 
     def wake_up(self, tags: list[str] | None = None, timeout: float | None = None) -> Any:
         """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``: part of it;

@@ -13,6 +13,11 @@ holds it alone. A wake is not judged by the device's memory (``wake_up``, read i
 0.26.0), so starts and wakes may overlap each other; only a sleep waits for them. One run, one lock file, in the run's
 shared folder (``HARNESS_XDIST_DIR``); elsewhere the lock does nothing. Every wait is
 bounded: past ``WAIT_S`` the call goes ahead without the lock and says so in the log.
+
+The lock cannot hold what a trainer or a server answering requests allocates. A server
+without --enable-sleep-mode frees nothing when it sleeps, so even a small allocation
+elsewhere fails its sleep: seen once on 1 x H200 (the ninth visit), and asked again by
+``ServerClient.sleep`` (never for a sleep-mode server, whose weights have already moved).
 """
 
 from __future__ import annotations

@@ -92,3 +92,62 @@ def test_no_module_uses_a_private_member_of_a_client():
                     and node.value.id in ("client", "rc", "c")):
                 offenders.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not offenders, offenders
+
+
+class _SleepRace(BaseHTTPRequestHandler):
+    """``/sleep`` fails ``fails`` times with vLLM's "Memory usage increased" 500, then 200."""
+    fails = 0
+    asked = 0
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):  # noqa: N802
+        cls = type(self)
+        cls.asked += 1
+        code, obj = (200, {"status": "sleeping", "level": 1})
+        if cls.asked <= cls.fails:
+            code, obj = (500, {"error": {"message": "Call to sleep method failed: Memory usage "
+                                                    "increased after sleeping.", "code": 500}})
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("frees, parallel, fails, asked, ok", [
+    (False, True, 1, 2, True),    # no sleep mode, GPU shared by the run: asked again
+    (False, True, 5, 3, False),   # a race every time: the third answer is raised
+    (True, True, 1, 1, False),    # sleep mode: its weights moved already, never asked twice
+    (None, True, 1, 1, False),    # a server the client knows nothing about: never
+    (False, False, 1, 1, False),  # outside a parallel GPU run nothing else allocates: a fault
+])
+def test_a_sleep_that_raced_another_allocation_is_asked_again_only_where_it_is_safe(
+        tmp_path, monkeypatch, frees, parallel, fails, asked, ok):
+    from harness.vllm import client as client_mod
+    from harness.vllm import memory_lock
+
+    _SleepRace.fails, _SleepRace.asked = fails, 0
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _SleepRace)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setattr(memory_lock, "_gpu_host", lambda: True)
+    monkeypatch.setattr(client_mod.time, "sleep", lambda s: None)
+    if parallel:
+        monkeypatch.setenv(memory_lock.DIR_ENV, str(tmp_path))
+    else:
+        monkeypatch.delenv(memory_lock.DIR_ENV, raising=False)
+    try:
+        c = ServerClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=5,
+                         sleep_frees_memory=frees)
+        if ok:
+            assert c.sleep(level=1) == {"status": "sleeping", "level": 1}
+        else:
+            with pytest.raises(ControlPlaneError, match="Memory usage increased after sleeping"):
+                c.sleep(level=1)
+        assert (_SleepRace.asked, c.sleep_retries) == (asked, asked - 1)
+        assert c.clone().sleep_frees_memory is frees
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
