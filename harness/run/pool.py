@@ -39,6 +39,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import enum
+import logging
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ from harness.trainer.spares import Spares, TrainerProcesses
 from harness.vllm import reaper
 from harness.vllm import startup
 from harness.vllm.server import ServerConfig, ServerError, VLLMServer
+
+log = logging.getLogger(__name__)
 
 
 SAMPLE_EVERY_S = 5.0
@@ -196,9 +199,13 @@ class ServerPool:
             self._start_ahead()
             raise
         except BaseException as e:
+            # nobody may read this future: the traceback goes to the log, which names
+            # the line (an OSError here once on 1 x H200 said only "Bad file descriptor")
+            log.warning("the start of %s in the background failed", cfg.describe(),
+                        exc_info=True)
             with self._lock:
                 self._starting.pop(cfg, None)
-                # nobody may read this future: the reason goes where a restart looks
+                # the reason goes where a restart looks
                 self._stopped_why[cfg] = (f"its start in the background failed: "
                                           f"{type(e).__name__}: {e}".splitlines()[0])
             raise
@@ -242,6 +249,15 @@ class ServerPool:
         finally:
             with self._lock:
                 self._booting.pop(cfg, None)
+        try:
+            return self._started(cfg, srv, early, t0, together, built, slot, again, why)
+        except BaseException:  # a server nobody will hold is not left running
+            srv.stop()
+            raise
+
+    def _started(self, cfg: ServerConfig, srv: VLLMServer, early: list, t0: float,
+                 together: int, built: float, slot, again: bool, why: str) -> VLLMServer:
+        """A server that just came up: its record, and its planned trainers prepared."""
         record = {"config": cfg.describe(), "mode": cfg.mode, "start_seconds": srv.start_seconds,
                   "version": srv.version, "log": str(srv.log_path),
                   "started_at": round(t0 - self.t0, 3),

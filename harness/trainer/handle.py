@@ -192,7 +192,7 @@ class Trainer:
                 spare = None
         if spare is not None:
             self.proc, self.log_path, self.scratch = spare.proc, spare.log_path, spare.scratch
-            self._results = spare.results
+            self._results = spare.hand_over()  # this trainer's to close, not the spare's
         else:
             self.proc, self.log_path, self.scratch, self._results = spawn_child(
                 [json.dumps(spec, default=str)], env, self.log_dir, self.spec.engine)

@@ -1,7 +1,13 @@
 """The trainer processes a run keeps beside the one each server talks to: spares started
 ahead (``Spares``), so that a test needing a fresh trainer does not wait for its imports,
 and retired trainers left to exit on their own (``Retiring``). ``TrainerProcesses`` holds
-both for one run: the pytest session owns it, and stops them at its end."""
+both for one run: the pytest session owns it, and stops them at its end.
+
+Both are used from several threads at once (a test's trainer, the pool's start threads
+preparing theirs), and each process's result pipe is a bare file descriptor: closed
+twice, the second close would close whatever file took its number in between (a lock
+file, a socket, a log). So every list here changes under a lock, and a descriptor is
+closed only by the one caller that took it off a list (or off its ``Spare``)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,23 +74,27 @@ class Retiring:
     def __init__(self, grace: float = 30.0) -> None:
         self.grace = grace
         self._procs: list[tuple[subprocess.Popen, int | None, Path | None, float]] = []
+        self._lock = threading.Lock()
 
     def add(self, proc: subprocess.Popen, results: int | None, scratch: Path | None) -> None:
-        self._procs.append((proc, results, scratch, time.monotonic() + self.grace))
+        with self._lock:
+            self._procs.append((proc, results, scratch, time.monotonic() + self.grace))
 
     def poll(self) -> None:
         """Reap those that have exited, kill those past their grace; never waits."""
-        left = []
-        for entry in self._procs:
-            if entry[0].poll() is None and time.monotonic() < entry[3]:
-                left.append(entry)
-            else:
-                reap(*entry[:3])
-        self._procs = left
+        with self._lock:  # the ones taken off here are this caller's alone to reap
+            done = [e for e in self._procs
+                    if e[0].poll() is not None or time.monotonic() >= e[3]]
+            self._procs = [e for e in self._procs if e not in done]
+        for entry in done:
+            reap(*entry[:3])
 
     def drain(self) -> None:
-        while self._procs:  # one at a time off the list: an interrupted drain can be re-run
-            proc, results, scratch, deadline = self._procs.pop()
+        while True:  # one at a time off the list: an interrupted drain can be re-run
+            with self._lock:
+                if not self._procs:
+                    return
+                proc, results, scratch, deadline = self._procs.pop()
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -116,11 +127,19 @@ class Spare:
     results: int
 
     def discard(self) -> None:
-        """Kill it and remove what it owns; a second call does nothing."""
-        if self.results < 0:
-            return
-        results, self.results = self.results, -1
-        reap(self.proc, results, self.scratch)
+        """Kill it and remove what it owns; a second call, from any thread, does nothing."""
+        results = self.hand_over()
+        if results >= 0:
+            reap(self.proc, results, self.scratch)
+
+    def hand_over(self) -> int:
+        """Its result pipe, once: the caller owns it from now on (-1 if it was taken)."""
+        with _HANDOVER:
+            results, self.results = self.results, -1
+        return results
+
+
+_HANDOVER = threading.Lock()
 
 
 class Spares:
@@ -139,6 +158,7 @@ class Spares:
         self.taken = 0
         self.log_dir = log_dir  # where spares log (else the first trainer's)
         self._idle: dict[tuple, list[Spare]] = {}
+        self._lock = threading.RLock()
 
     @staticmethod
     def _key(env: dict, spec) -> tuple:
@@ -155,18 +175,23 @@ class Spares:
         return Spare(proc, log_path, scratch, results)
 
     def take(self, env: dict, spec) -> Spare | None:
-        idle = self._idle.get(self._key(env, spec), [])
-        while idle:
-            spare = idle.pop(0)
-            if spare.proc.poll() is None:
-                self.taken += 1
-                return spare
-            spare.discard()  # it died waiting (its log says why): start a trainer afresh
+        with self._lock:
+            idle = self._idle.get(self._key(env, spec), [])
+            while idle:
+                spare = idle.pop(0)
+                if spare.proc.poll() is None:
+                    self.taken += 1
+                    return spare
+                spare.discard()  # it died waiting (its log says why): start a trainer afresh
         return None
 
     def replenish(self, env: dict, spec, log_dir: Path) -> None:
         if not self.count:
             return
+        with self._lock:
+            self._replenish(env, spec, log_dir)
+
+    def _replenish(self, env: dict, spec, log_dir: Path) -> None:
         key = self._key(env, spec)
         idle = self._idle.setdefault(key, [])
         while len(idle) < self.count:
@@ -181,6 +206,10 @@ class Spares:
     def close(self) -> None:
         """Stop every spare still waiting (end of run): all are told at once (a waiting
         spare exits on end of input) and given 5 s between them, then killed."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for spare in [s for idle in self._idle.values() for s in idle]:
             try:
                 spare.proc.stdin.close()

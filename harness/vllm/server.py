@@ -284,39 +284,41 @@ class VLLMServer:
                               "the harness picks a free one")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):  # a picked port can be taken before vLLM binds it
-            # a start maps GPU memory: a sleep of another server there waits (memory_lock)
-            with memory_lock.held(False, f"start {self.cfg.describe()}",
-                                  gpu=bool(self.cfg.device_ids)):
-                port = self.port or free_port()
-                self.url = f"http://127.0.0.1:{port}"
-                self.log_path = self.log_dir / f"vllm-{port}-{int(time.time())}.log"
-                argv = build_command(self.cfg, port, self.python)
-                with open(self.log_path, "w") as log:
-                    log.write(f"# {' '.join(argv)}\n# {self.cfg.describe()}\n")
-                    if self.cfg.insecure_serialization:
-                        log.write(f"# VLLM_ALLOW_INSECURE_SERIALIZATION=1: the {self.cfg.backend} "
-                                  "backend posts pickled handles; /update_weights unpickles "
-                                  "request data (docs/faults.md)\n")
-                    log.flush()
-                    t0 = time.monotonic()
-                    self.launched_at = time.time()  # vLLM stamps its log lines in wall-clock time
-                    self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL,
-                                                 env=reaper.tagged(build_env(self.cfg)),
-                                                 start_new_session=True)
-                try:
+            # inside the try: the lock's release is part of the start (a failure there
+            # must stop the server too, or it is left running)
+            try:
+                # a start maps GPU memory: a sleep of another server there waits (memory_lock)
+                with memory_lock.held(False, f"start {self.cfg.describe()}",
+                                      gpu=bool(self.cfg.device_ids)):
+                    port = self.port or free_port()
+                    self.url = f"http://127.0.0.1:{port}"
+                    self.log_path = self.log_dir / f"vllm-{port}-{int(time.time())}.log"
+                    argv = build_command(self.cfg, port, self.python)
+                    with open(self.log_path, "w") as log:
+                        log.write(f"# {' '.join(argv)}\n# {self.cfg.describe()}\n")
+                        if self.cfg.insecure_serialization:
+                            log.write(f"# VLLM_ALLOW_INSECURE_SERIALIZATION=1: the {self.cfg.backend} "
+                                      "backend posts pickled handles; /update_weights unpickles "
+                                      "request data (docs/faults.md)\n")
+                        log.flush()
+                        t0 = time.monotonic()
+                        self.launched_at = time.time()  # vLLM stamps its log lines in wall-clock time
+                        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                     stdin=subprocess.DEVNULL,
+                                                     env=reaper.tagged(build_env(self.cfg)),
+                                                     start_new_session=True)
                     self._wait_ready(t0)
                     self.start_seconds = time.monotonic() - t0
                     self.version = self._fetch_version()
-                    return self
-                except ServerError as e:
-                    self.stop()
-                    if self.port is None and "address already in use" in str(e).lower() and attempt < 2:
-                        continue
-                    raise
-                except BaseException:  # Ctrl-C during a start: leave nothing behind
-                    self.stop()
-                    raise
+                return self
+            except ServerError as e:
+                self.stop()
+                if self.port is None and "address already in use" in str(e).lower() and attempt < 2:
+                    continue
+                raise
+            except BaseException:  # Ctrl-C during a start: leave nothing behind
+                self.stop()
+                raise
         raise AssertionError("unreachable")
 
     def _wait_ready(self, t0: float) -> None:

@@ -71,3 +71,38 @@ def test_two_threads_stopping_one_server_neither_raises(tmp_path):
     assert srv.proc is None
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     srv.stop()  # and once more, after both: nothing to do
+
+
+def test_a_start_that_fails_after_the_server_is_up_leaves_nothing_running(tmp_path, monkeypatch):
+    """Seen on 1 x H200: a background start failed with "Bad file descriptor" after
+    /version had answered, and the server it had started was left running."""
+    import contextlib
+
+    import pytest
+
+    from harness.vllm import server as server_mod
+
+    @contextlib.contextmanager
+    def failing_release(*a, **kw):
+        yield True
+        raise OSError(9, "Bad file descriptor")  # the lock's release
+
+    monkeypatch.setattr(server_mod, "build_command", lambda cfg, port, python: ["sleep", "600"])
+    monkeypatch.setattr(server_mod.memory_lock, "held", failing_release)
+    monkeypatch.setattr(VLLMServer, "_wait_ready", lambda self, t0: None)
+    monkeypatch.setattr(VLLMServer, "_fetch_version", lambda self: "0.0-test")
+    srv = VLLMServer(ServerConfig(model="x"), log_dir=tmp_path)
+    started = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(server_mod.subprocess, "Popen",
+                        lambda *a, **kw: started.append(real_popen(*a, **kw)) or started[-1])
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        srv.start()
+    assert len(started) == 1
+    try:
+        started[0].wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the start raised, and left its server's process running")
+    finally:
+        if started[0].poll() is None:
+            started[0].kill()
