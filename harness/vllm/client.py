@@ -237,9 +237,11 @@ class ServerClient:
             # A server without sleep mode frees nothing, so vLLM's device-wide check fails
             # when any other process of this run allocates on the GPU meanwhile (the lock
             # holds starts and wakes, not trainers or requests being served). vLLM raised
-            # before it marked itself asleep and its allocator pool is empty, so the server
-            # is awake, paused, and can be asked again (``Executor.sleep``, read in 0.26.0).
-            # A sleep-mode server is never asked twice: its weights were already moved.
+            # before its executor marked itself asleep (``Executor.sleep``, read in 0.26.0)
+            # and its allocator pool is empty: the scheduler is paused (/is_sleeping says
+            # true) and a second /sleep does the sleep (3 of 3 on 1 x H200, 0.26.0:
+            # tests/test_sleep.py). A sleep-mode server is never asked twice: its
+            # allocator has already moved the weights.
             log.warning("%s: /sleep?level=%s failed with %r while other processes of this run "
                         "share the GPU (try %d of %d); asking again", self.url, level,
                         SLEEP_RACE, attempt, SLEEP_TRIES)

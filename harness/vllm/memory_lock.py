@@ -16,7 +16,7 @@ bounded: past ``WAIT_S`` the call goes ahead without the lock and says so in the
 
 The lock cannot hold what a trainer or a server answering requests allocates. A server
 without --enable-sleep-mode frees nothing when it sleeps, so even a small allocation
-elsewhere fails its sleep: seen once on 1 x H200 (the ninth visit), and asked again by
+elsewhere fails its sleep: seen on 1 x H200 (known issue sleep-judged-by-device-free-memory), and asked again by
 ``ServerClient.sleep`` (never for a sleep-mode server, whose weights have already moved).
 """
 
