@@ -249,35 +249,33 @@ class ServerPool:
         finally:
             with self._lock:
                 self._booting.pop(cfg, None)
-        try:
-            return self._started(cfg, srv, early, t0, together, built, slot, again, why)
+        try:  # its record, and its planned trainers prepared
+            record = {"config": cfg.describe(), "mode": cfg.mode,
+                      "start_seconds": srv.start_seconds, "version": srv.version,
+                      "log": str(srv.log_path),
+                      "started_at": round(t0 - self.t0, 3),
+                      "ready_at": round(time.monotonic() - self.t0, 3),
+                      "starting_together": together, "model_seconds": round(built, 3)}
+            if slot is not None:  # the host's start slot it waited for (a parallel run)
+                record["start_slot"] = slot
+            # where the start's time went (harness.vllm.startup)
+            if getattr(srv, "launched_at", None) is not None:
+                record["profile"] = startup.profile(srv.log_path, srv.launched_at,
+                                                    srv.start_seconds)
+            if again:
+                record["restart_reason"] = why
+            if cfg in self._unplanned:
+                record["unplanned"] = f"not in the plan; started for {self._unplanned[cfg]}"
+            record.update(self._prepare_trainers(cfg, srv, early))
+            with self._lock:
+                self.started.append(record)
+                if again:
+                    self.restarts.append({"config": cfg.describe(), "reason": why,
+                                          "at": record["started_at"]})
+            return srv
         except BaseException:  # a server nobody will hold is not left running
             srv.stop()
             raise
-
-    def _started(self, cfg: ServerConfig, srv: VLLMServer, early: list, t0: float,
-                 together: int, built: float, slot, again: bool, why: str) -> VLLMServer:
-        """A server that just came up: its record, and its planned trainers prepared."""
-        record = {"config": cfg.describe(), "mode": cfg.mode, "start_seconds": srv.start_seconds,
-                  "version": srv.version, "log": str(srv.log_path),
-                  "started_at": round(t0 - self.t0, 3),
-                  "ready_at": round(time.monotonic() - self.t0, 3),
-                  "starting_together": together, "model_seconds": round(built, 3)}
-        if slot is not None:  # the host's start slot it waited for (a parallel run)
-            record["start_slot"] = slot
-        if getattr(srv, "launched_at", None) is not None:  # where the start's time went (harness.vllm.startup)
-            record["profile"] = startup.profile(srv.log_path, srv.launched_at, srv.start_seconds)
-        if again:
-            record["restart_reason"] = why
-        if cfg in self._unplanned:
-            record["unplanned"] = f"not in the plan; started for {self._unplanned[cfg]}"
-        record.update(self._prepare_trainers(cfg, srv, early))
-        with self._lock:
-            self.started.append(record)
-            if again:
-                self.restarts.append({"config": cfg.describe(), "reason": why,
-                                      "at": record["started_at"]})
-        return srv
 
     def _early_trainers(self, cfg: ServerConfig) -> list:
         """One process per planned trainer of ``cfg``, started now (``Spares.spawn``)."""

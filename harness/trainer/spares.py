@@ -125,6 +125,8 @@ class Spare:
     log_path: Path
     scratch: Path
     results: int
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
+                                              compare=False)
 
     def discard(self) -> None:
         """Kill it and remove what it owns; a second call, from any thread, does nothing."""
@@ -134,12 +136,9 @@ class Spare:
 
     def hand_over(self) -> int:
         """Its result pipe, once: the caller owns it from now on (-1 if it was taken)."""
-        with _HANDOVER:
+        with self._lock:
             results, self.results = self.results, -1
         return results
-
-
-_HANDOVER = threading.Lock()
 
 
 class Spares:

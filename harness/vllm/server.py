@@ -297,12 +297,14 @@ class VLLMServer:
                     with open(self.log_path, "w") as log:
                         log.write(f"# {' '.join(argv)}\n# {self.cfg.describe()}\n")
                         if self.cfg.insecure_serialization:
-                            log.write(f"# VLLM_ALLOW_INSECURE_SERIALIZATION=1: the {self.cfg.backend} "
-                                      "backend posts pickled handles; /update_weights unpickles "
-                                      "request data (docs/faults.md)\n")
+                            log.write("# VLLM_ALLOW_INSECURE_SERIALIZATION=1: the "
+                                      f"{self.cfg.backend} backend posts pickled handles; "
+                                      "/update_weights unpickles request data "
+                                      "(docs/faults.md)\n")
                         log.flush()
                         t0 = time.monotonic()
-                        self.launched_at = time.time()  # vLLM stamps its log lines in wall-clock time
+                        # vLLM stamps its log lines in wall-clock time
+                        self.launched_at = time.time()
                         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                                      stdin=subprocess.DEVNULL,
                                                      env=reaper.tagged(build_env(self.cfg)),

@@ -24,7 +24,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):  # noqa: N802
-        code, obj = self.routes.get(self.path, (404, {"detail": "Not Found"}))
+        self._json(*self.routes.get(self.path, (404, {"detail": "Not Found"})))
+
+    def _json(self, code: int, obj) -> None:
         body = json.dumps(obj).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -94,27 +96,19 @@ def test_no_module_uses_a_private_member_of_a_client():
     assert not offenders, offenders
 
 
-class _SleepRace(BaseHTTPRequestHandler):
+class _SleepRace(_Handler):
     """``/sleep`` fails ``fails`` times with vLLM's "Memory usage increased" 500, then 200."""
     fails = 0
     asked = 0
 
-    def log_message(self, *a):
-        pass
-
     def do_POST(self):  # noqa: N802
         cls = type(self)
         cls.asked += 1
-        code, obj = (200, {"status": "sleeping", "level": 1})
         if cls.asked <= cls.fails:
-            code, obj = (500, {"error": {"message": "Call to sleep method failed: Memory usage "
-                                                    "increased after sleeping.", "code": 500}})
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+            self._json(500, {"error": {"message": "Call to sleep method failed: Memory usage "
+                                                  "increased after sleeping.", "code": 500}})
+        else:
+            self._json(200, {"status": "sleeping", "level": 1})
 
 
 @pytest.mark.parametrize("frees, parallel, fails, asked, ok", [
