@@ -104,3 +104,40 @@ def test_an_emitted_shm_script_reproduces_parity_against_a_real_server(tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "[9/9] verdict: PARITY" in out.stdout
     assert "REPRODUCED: the verdict is 'parity', as expected." in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drop_last", [False, True], ids=["same", "harness-drops-one"])
+@pytest.mark.parametrize("packed", [True, False], ids=["ipc-packed", "ipc-unpacked"])
+def test_the_harness_and_an_emitted_script_send_the_same_ipc_bytes(packed, drop_last,
+                                                                   tmp_path):
+    """One IPC sender, on the installed vLLM and a GPU: the harness's and an emitted
+    script's updates, their handles opened in another process as vLLM's worker opens
+    them, carry the same names, dtypes, shapes and bytes, every tensor's. With the
+    harness's sender leaving out a tensor on purpose, the comparison tells them apart."""
+    import json
+
+    if not os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() or not _has_cuda():
+        pytest.skip("CUDA IPC needs a GPU")
+    script = _emit(tmp_path, "ipc.py", "--vllm-backend", "ipc")
+    argv = [sys.executable, str(ROOT / "tests" / "ipc_capture.py"), str(script)]
+    r = subprocess.run(argv + ["--packed"] * packed + ["--drop-last"] * drop_last, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    updates = {who: [c[1] for c in got[who] if c[0] == "/update_weights"]
+               for who in ("harness", "script")}
+    sent = {who: ([n for u in ups for n in u["names"]], [h for u in ups for h in u["sha256"]])
+            for who, ups in updates.items()}
+    assert sent["script"] == (got["names"], got["sha256"]), got["script"]
+    if drop_last:
+        assert sent["harness"] == (got["names"][:-1], got["sha256"][:-1])
+        assert got["harness"] != got["script"]
+    else:
+        assert got["harness"] == got["script"], (got["harness_api"], got["script_api"])
+        assert all(u["packed"] == packed for u in updates["harness"] if "packed" in u)
+
+
+def _has_cuda() -> bool:
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -1,24 +1,82 @@
 """CUDA IPC: handles to the trainer's tensors go in /update_weights; each names the trainer's
-current CUDA device, and the workers open them on the same physical GPU (matched by UUID)."""
+current CUDA device, and the workers open them on the same physical GPU (matched by UUID).
+One sender for the harness (harness/transfer/ipc.py wraps it) and the repro scripts."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import pickle
 from typing import Any
 
-from harness.portable.steps import in_flight
 from harness.portable.trainer_api import engine_module, factory_for, weight_source
-# [region factory]
+
+
+class IpcSender:
+    """vLLM's CUDA IPC trainer side for one group: ``init()`` once, then ``send(weights)``
+    per update. ``api``: ``factory`` (0.27.1+: vLLM's trainer engine calls the routes on
+    ``client``) or ``static`` (0.26: ``trainer_send_weights`` hands each update info to a
+    callable that posts it through ``client``; the other routes are called here).
+    ``geometry``: ``packed_buffer_size_bytes`` where given. ``client``: the four routes
+    of vLLM's VLLMWeightSyncClient; its update_weights makes the handles JSON-safe."""
+
+    def __init__(self, client: Any, *, packed: bool, api: str, geometry: dict | None = None):
+        self.client, self.packed, self.api = client, packed, api
+        self.geometry = dict(geometry or {})
+        self.engine: Any = None  # the factory's trainer engine, kept across updates
+
+    def init(self) -> None:
+        # [region factory]
+        if self.api == "factory":  # calls /init_weight_transfer_engine; packed rides the info
+            info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=self.packed,
+                                                           **self.geometry)
+            self.engine = factory_for("ipc").trainer_init(info, client=self.client,
+                                                          source=weight_source([]))
+            return
+        # [end]
+        # [region static]
+        self.client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
+        # [end]
+
+    def send(self, weights: list) -> str:
+        """One update of exactly ``weights``; returns which vLLM API did it, in words."""
+        # [region factory]
+        if self.api == "factory":
+            self.engine.source = weight_source(weights)
+            self.engine.send_weights()  # /start_weight_update, /update_weights..., /finish
+            return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
+        # [end]
+        # [region static]
+        client = self.client
+        client.start_weight_update()
+        # send_mode as a callable: each IPCWeightTransferUpdateInfo is posted through
+        # ``client`` (its errors and timeout), not vLLM's own requests.post; packed and
+        # the geometry ride each update
+        engine_module("ipc").IPCWeightTransferEngine.trainer_send_weights(iter(weights), {
+            "send_mode": lambda info: client.update_weights(update_info_as_dict(info)),
+            "packed": self.packed, **self.geometry})
+        client.finish_weight_update()
+        return ("IPCWeightTransferEngine.trainer_send_weights with a callable send_mode, "
+                "the routes called here")
+        # [end]
+
+    def close(self) -> None:
+        self.engine = None
 
 
 def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM's factory trainer API (0.27.1+): its trainer engine calls the routes on ``client``."""
-    info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=sc["packed"])
-    # calls /init_weight_transfer_engine
-    trainer = factory_for("ipc").trainer_init(info, client=client, source=weight_source(weights))
-    trainer.send_weights()  # /start_weight_update, /update_weights, /finish_weight_update
-    return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
+    """The script's sync: one group, one update (``timeout``: the client's, per route)."""
+    sender = IpcSender(client, packed=sc["packed"], api=sc["trainer_api"])
+    sender.init()
+    return sender.send(weights)
+
+
+def update_info_as_dict(info: Any) -> Any:
+    """A vLLM update-info dataclass as a dict, without ``asdict``'s deep copy (the IPC
+    handles inside are large tuples that need no copying); a dict unchanged."""
+    if not dataclasses.is_dataclass(info):
+        return info
+    return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
 
 
 def json_safe_update_info(update_info: Any) -> Any:
@@ -35,20 +93,3 @@ def json_safe_update_info(update_info: Any) -> Any:
     out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
     out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
     return out
-# [end]
-# [region static]
-
-
-def send_ipc_static(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
-    """vLLM 0.26's static API: IPCWeightTransferEngine.trainer_send_weights posts the handles
-    in /update_weights itself (send_mode "http"), the other routes are called here."""
-    engine = engine_module("ipc").IPCWeightTransferEngine
-    client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
-    client.start_weight_update()
-    in_flight(timeout, sc["trainer_device"], (
-        "IPCWeightTransferEngine.trainer_send_weights (send_mode http: /update_weights)",
-        lambda: engine.trainer_send_weights(
-            iter(weights), {"send_mode": "http", "url": client.url, "packed": sc["packed"]})))
-    client.finish_weight_update()
-    return "IPCWeightTransferEngine.trainer_send_weights(send_mode='http'), other routes here"
-# [end]

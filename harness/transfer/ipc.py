@@ -10,11 +10,8 @@ does that conversion, because ``ServerClient`` posts payloads verbatim.
 
 Which vLLM API builds the handles is decided in ``harness.vllm.api``:
 
-* ``factory`` (0.27.1+): ``IPCTrainerInitInfo`` + the trainer factory; the
-  engine calls all four routes itself, and ``packed`` rides the init info.
-* ``static`` (0.26): ``IPCWeightTransferEngine.trainer_send_weights`` posts
-  only ``/update_weights`` (through a callable ``send_mode``, so through our
-  client); init, start and finish are ours, and ``packed`` rides each update.
+* ``factory`` (0.27.1+) and ``static`` (0.26): ``harness.portable.send_ipc.IpcSender``,
+  the one IPC sender, which the emitted repro scripts copy too;
 * ``raw`` (neither): one handle per tensor built here with torch; unpacked only.
 
 Unlike NCCL nothing here waits on a peer: each step is an HTTP call bounded by
@@ -29,8 +26,8 @@ from typing import Any
 
 from harness import transfer
 from harness.core.facts import update_info
+from harness.portable.send_ipc import IpcSender  # the scripts' own
 from harness.transfer import check_on_device, cuda_device
-from harness.portable.trainer_api import weight_source  # the scripts' own
 from harness.vllm import api as vllm_api
 
 
@@ -52,21 +49,15 @@ class Sender:
         torch.cuda.set_device(self.device)
         self.rc = vllm_api.RecordingClient(client)
         self.packed = packed
-        self.geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
-                         if options.get("packed_buffer_size_bytes") else {})
-        self.engine = None  # the factory path's trainer engine, kept across updates
+        geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
+                    if options.get("packed_buffer_size_bytes") else {})
+        self.vllm = (None if self.path == "raw" else
+                     IpcSender(self.rc, packed=packed, api=self.path, geometry=geometry))
 
     def init(self) -> None:
-        if self.path == "factory":
-            # packed rides the init info; the engine calls every route itself, the
-            # init route here. Each update then swaps in the weights to send.
-            factory = vllm_api.lookup("WeightTransferTrainerFactory")
-            init_cls = vllm_api.lookup("IPCTrainerInitInfo")
-            self.engine = factory.trainer_init(init_cls(rank=0, packed=self.packed,
-                                                        **self.geometry),
-                                               client=self.rc, source=weight_source([]))
-        else:
-            # 0.26's IPC init info has no fields; the call is still the protocol's first step.
+        if self.vllm is not None:
+            self.vllm.init()
+        else:  # raw: the protocol's first step still, with 0.26's empty init info
             self.rc.init_weight_transfer_engine({})
 
     def send(self, weights: list[tuple[str, Any]]):
@@ -77,34 +68,14 @@ class Sender:
         weights = list(weights)
         check_on_device(weights, self.device, IpcSendError)
         self.rc.reset()
-        api_path = {"factory": self._via_factory, "static": self._via_static,
-                    "raw": self._via_raw}[self.path](weights)
+        api_path = self._via_raw(weights) if self.vllm is None else self.vllm.send(weights)
         # One update_weights call per packed buffer, or one for all tensors unpacked.
         return transfer.send_result(weights, chunks=self.rc.update_calls, api_path=api_path,
                                     client=self.rc, path=self.path, device=str(self.device))
 
     def close(self) -> None:
-        self.engine = None
-
-    def _via_factory(self, weights) -> str:
-        self.engine.source = weight_source(weights)
-        self.engine.send_weights()  # start, update(s), finish; keeps its handles until finish
-        return ("vLLM trainer engine: WeightTransferTrainerFactory.trainer_init("
-                "IPCTrainerInitInfo) + send_weights")
-
-    def _via_static(self, weights) -> str:
-        send_weights = vllm_api.lookup("IPCWeightTransferEngine.trainer_send_weights")
-        rc = self.rc
-        rc.start_weight_update()
-        # send_mode as a callable: vLLM hands us each IPCWeightTransferUpdateInfo and we
-        # post it through our client (errors with context, our timeout) instead of its
-        # own requests.post. A dict keeps IPCTrainerSendWeightsArgs' fields vLLM's.
-        send_weights(iter(weights), {
-            "send_mode": lambda info: rc.update_weights(vllm_api.update_info_as_dict(info)),
-            "packed": self.packed, **self.geometry})
-        rc.finish_weight_update()
-        return ("vLLM static API: IPCWeightTransferEngine.trainer_send_weights with a "
-                "callable send_mode, HTTP routes driven by the harness")
+        if self.vllm is not None:
+            self.vllm.close()
 
     def _via_raw(self, weights) -> str:
         import torch

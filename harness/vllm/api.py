@@ -403,12 +403,6 @@ def update_info_names_sender(update_info_cls: Any) -> bool:
         f.name == "src" for f in dataclasses.fields(update_info_cls))
 
 
-def update_info_as_dict(info: Any) -> dict[str, Any]:
-    """A vLLM update-info dataclass as a dict, without ``asdict``'s deep copy (the IPC
-    handles inside are large tuples that need no copying)."""
-    return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
-
-
 class RecordingClient:
     """The harness's ``ServerClient`` as vLLM's trainer engines see it.
 

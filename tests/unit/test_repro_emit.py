@@ -216,8 +216,12 @@ MAX_LINES = 520  # an emitted NCCL or IPC script of the default model, a bug rep
 # What they hold at most now (NCCL static, qwen3-moe, --corrupt swap: 531; the default
 # model: NCCL 506 and 508, IPC 464 and 496); no script may grow past it.
 LINES_NOW = 531
-APIS = {"factory": ("def send_{}(", "def send_{}_static("),
-        "static": ("def send_{}_static(", "def send_{}(")}
+# What a script of each trainer API holds, and lacks: NCCL has a function per API, IPC one
+# sender whose factory and static halves are regions
+API_CODE = {("nccl", "factory"): "def send_nccl(", ("nccl", "static"): "def send_nccl_static(",
+            ("ipc", "factory"): ".IPCTrainerInitInfo(",
+            ("ipc", "static"): ".IPCWeightTransferEngine.trainer_send_weights("}
+OTHER_API = {"factory": "static", "static": "factory"}
 
 
 @pytest.mark.parametrize("name", ["nccl", "ipc", "nccl-static", "ipc-static"])
@@ -232,8 +236,8 @@ def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_p
     assert "import harness" not in text and "from harness" not in text
     held = {k for k, code in ENGINE_CODE.items() if code in text}
     assert held == {engine}, held
-    has, lacks = APIS[api or "factory"]
-    assert has.format(engine) in text and lacks.format(engine) not in text
+    api = api or "factory"
+    assert API_CODE[engine, api] in text and API_CODE[engine, OTHER_API[api]] not in text
     assert ("stub-ray" in text) == (name == "ipc-static")  # only 0.26's IPC engine needs ray
     assert "register_shm_engine" not in text and "[region" not in text
     lines = len(text.splitlines())
@@ -269,7 +273,7 @@ def test_the_trainer_api_defaults_to_the_installed_vllms(tmp_path, monkeypatch):
                         lambda engine: asked.append(engine) or "static")
     text = _emit(tmp_path, "r.py", "--vllm-backend", "ipc").read_text()
     assert asked == ["ipc"] and repro_emit.read_scenario(text)["trainer_api"] == "static"
-    assert "def send_ipc_static(" in text and "def send_ipc(" not in text
+    assert API_CODE["ipc", "static"] in text and API_CODE["ipc", "factory"] not in text
     text = _emit(tmp_path, "s.py", "--vllm-backend", "shm").read_text()
     assert asked == ["ipc"] and repro_emit.read_scenario(text)["trainer_api"] is None
 
@@ -764,27 +768,155 @@ def test_a_script_on_a_release_that_needs_the_other_api_stops_in_one_line(api, o
     assert "\n" not in str(e.value) and "emit the script again" in str(e.value)
 
 
-def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
-    script = emitted("ipc", *STATIC)
-    client = _Recorder()
-    seen = {}
+@dataclasses.dataclass
+class _IpcUpdateInfo:  # IPCWeightTransferUpdateInfo, as 0.26 hands it to a callable send_mode
+    names: list
+    dtype_names: list
+    shapes: list
+    ipc_handles: list
+    packed: bool = False
+
+
+def _fake_ipc_vllm(monkeypatch, api: str) -> dict:
+    """vLLM's IPC trainer API as 0.26 (``static``) or 0.32 (``factory``) shapes it, with a
+    "handle" that carries the tensor's bytes; packed: two tensors per update. Returns what
+    the stand-in engine was given."""
+    import torch
+
+    seen: dict = {"args": []}
+
+    def updates(weights, packed):
+        weights = list(weights)
+        step = 2 if packed else len(weights) or 1
+        for i in range(0, len(weights), step):
+            chunk = weights[i:i + step]
+            yield _IpcUpdateInfo(
+                [n for n, _ in chunk], [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+                [list(t.shape) for _, t in chunk],
+                [{"GPU-0": ("bytes", t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())}
+                 for _, t in chunk], packed)
 
     class IPCWeightTransferEngine:
         @staticmethod
         def trainer_send_weights(iterator, trainer_args):
-            seen["args"] = trainer_args
-            seen["names"] = [n for n, _ in iterator]
-            client.calls.append(("vllm posts /update_weights", None))
+            seen["args"].append({k: v for k, v in trainer_args.items() if k != "send_mode"})
+            for info in updates(iterator, trainer_args["packed"]):
+                trainer_args["send_mode"](info)
+
+    @dataclasses.dataclass
+    class IPCTrainerInitInfo:
+        packed: bool = False
+        packed_buffer_size_bytes: int = 1 << 30
+        rank: int = dataclasses.field(default=0, kw_only=True)
+
+    class TrainerEngine:
+        def __init__(self, info, client):
+            self.info, self.client, self.source = info, client, None
+
+        def send_weights(self):
+            self.client.start_weight_update()
+            for info in updates(self.source, self.info.packed):
+                self.client.update_weights(dataclasses.asdict(info))
+            self.client.finish_weight_update()
+
+    class Factory:
+        _registry = {"ipc": object} if api == "factory" else {}
+
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            seen["init"] = init_info
+            client.init_weight_transfer_engine({"packed": init_info.packed})
+            return TrainerEngine(init_info, client)
+
+    ipc = types.SimpleNamespace(IPCWeightTransferEngine=IPCWeightTransferEngine)
+    if api == "factory":
+        ipc.IPCTrainerInitInfo = IPCTrainerInitInfo
+    else:  # 0.26's factory takes the backend first and registers nothing
+        Factory.trainer_init = classmethod(lambda cls, backend, config, init_info: None)
+
+    class WeightSource:
+        pass
 
     _fake_vllm(monkeypatch, {
-        "ipc_engine": types.SimpleNamespace(IPCWeightTransferEngine=IPCWeightTransferEngine),
-        "factory": types.SimpleNamespace(WeightTransferTrainerFactory=None)})
-    script.check_trainer_api("ipc", "static")
-    script.send_ipc_static(client, _weights(), {"trainer_device": "cpu", "packed": True}, 30)
-    assert seen["args"] == {"send_mode": "http", "url": client.url, "packed": True}
-    assert [c for c, _ in client.calls] == ["init", "start", "vllm posts /update_weights",
-                                            "finish"]
-    assert client.calls[0][1] == {}
+        "ipc_engine": ipc, "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory),
+        "base": types.SimpleNamespace(WeightSource=WeightSource,
+                                      ParamMeta=lambda n, d, s: (n, d, s))})
+    return seen
+
+
+class _IpcReadingClient(_Recorder):
+    """What a server is posted, as it reads it: the handles unpickled from the JSON body."""
+
+    def update_weights(self, info):
+        import base64
+        import pickle
+
+        from harness.portable.send_ipc import json_safe_update_info
+
+        wire = json.loads(json.dumps(json_safe_update_info(info)))
+        wire["ipc_handles"] = pickle.loads(base64.b64decode(wire.pop("ipc_handles_pickled")))
+        self.calls.append(("update", wire))
+
+
+def _harness_ipc_sender(monkeypatch, client, packed: bool, api: str):
+    """The harness's IPC Sender on a CPU host: the probe's path given, no CUDA device."""
+    import torch
+
+    from harness.transfer import ipc
+
+    monkeypatch.setattr(ipc.vllm_api, "sender_path", lambda engine, error: ({}, api))
+    monkeypatch.setattr(ipc, "cuda_device", lambda options, error, why: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    return ipc.Sender(client, packed=packed, options={})
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("api", ["factory", "static"])
+def test_the_harness_and_an_emitted_script_send_the_same_ipc_updates(api, packed, monkeypatch,
+                                                                     emitted):
+    """One IPC sender (harness/portable/send_ipc.py): against vLLM's trainer API as 0.26 and
+    0.32 shape it, the harness's ``Sender`` and the script's ``send_ipc`` post the same
+    routes, names, dtypes, shapes and tensor bytes, and give vLLM the same arguments."""
+    script = emitted("ipc", "--trainer-api", api)
+    seen = _fake_ipc_vllm(monkeypatch, api)
+    script.check_trainer_api("ipc", api)
+    ours, theirs = _IpcReadingClient(), _IpcReadingClient()
+    sender = _harness_ipc_sender(monkeypatch, ours, packed, api)
+    sender.init()
+    result = sender.send(_mixed_weights())
+    sender.close()
+    harness_args = seen["args"]
+    seen["args"] = []
+    script.send_ipc(theirs, _mixed_weights(), {"packed": packed, "trainer_api": api}, 60)
+    assert ours.calls == theirs.calls and harness_args == seen["args"]
+    assert [c for c, _ in ours.calls] == ["init", "start"] + ["update"] * (2 if packed else 1) \
+        + ["finish"]
+    names = [n for c, u in ours.calls if c == "update" for n in u["names"]]
+    assert names == [n for n, _ in _mixed_weights()] and result.tensors == 3
+    if api == "static":
+        assert harness_args == [{"packed": packed}] and ours.calls[0][1] == {}
+
+
+def test_an_ipc_sender_that_differs_from_the_script_is_caught(monkeypatch, emitted):
+    """The comparison above fails when the harness's IPC sender drifts: here it leaves
+    out the last tensor."""
+    from harness.portable import send_ipc
+    from harness.transfer import ipc
+
+    class Drifted(send_ipc.IpcSender):
+        def send(self, weights):
+            return super().send(list(weights)[:-1])
+
+    script = emitted("ipc", "--trainer-api", "static")
+    _fake_ipc_vllm(monkeypatch, "static")
+    monkeypatch.setattr(ipc, "IpcSender", Drifted)
+    ours, theirs = _IpcReadingClient(), _IpcReadingClient()
+    sender = _harness_ipc_sender(monkeypatch, ours, False, "static")
+    sender.init()
+    sender.send(_mixed_weights())
+    script.send_ipc(theirs, _mixed_weights(), {"packed": False, "trainer_api": "static"}, 60)
+    assert ours.calls != theirs.calls
+    assert ours.calls[2][1]["names"] == theirs.calls[2][1]["names"][:-1]
 
 
 def test_ipc_engine_that_imports_ray_is_named_with_the_way_out(monkeypatch, emitted):

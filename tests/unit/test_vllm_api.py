@@ -17,6 +17,7 @@ import time
 import pytest
 
 from harness import transfer
+from harness.portable.send_ipc import update_info_as_dict
 from harness.portable.trainer_api import weight_source
 from harness.vllm import api as vllm_api
 
@@ -175,7 +176,7 @@ def test_json_safe_update_info_is_what_vllms_worker_decodes(monkeypatch):
     sent = IPCWeightTransferUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2,
                                        shapes=[[4, 4]] * 2, ipc_handles=handles)
     wire = json.loads(json.dumps(vllm_api.json_safe_update_info(
-        vllm_api.update_info_as_dict(sent))))
+        update_info_as_dict(sent))))
     received = IPCWeightTransferUpdateInfo(**wire)  # unpickles ipc_handles_pickled
     assert received.ipc_handles == handles and received.names == ["a", "b"]
 

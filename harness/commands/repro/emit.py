@@ -329,12 +329,12 @@ def portable_modules(scenario: dict[str, Any]) -> list[str]:
     """The modules of harness/portable the scenario's script holds, in the order the
     script shows them: the engine's send code first, what it calls from vLLM next, the
     model recipes and what every module shares last."""
-    engine, api = scenario["engine"], scenario.get("trainer_api")
+    engine = scenario["engine"]
     mods = [f"send_{engine}"]
     if engine in ("nccl", "ipc"):
         mods.append("trainer_api")
-    if engine == "nccl" or (engine == "ipc" and api == "static"):
-        mods.append("steps")  # IPC's factory engine calls only the client's timed routes
+    if engine == "nccl":
+        mods.append("steps")  # IPC calls only the client's timed routes, NCCL waits on peers
     if engine == "shm":
         mods.append("bucketing")
     if scenario.get("corrupt"):

@@ -40,8 +40,8 @@ Step 6 takes vLLM's factory trainer API for IPC (0.27.1+), trainer_init(IPCTrain
 send_weights(); the script stops on a release without it.
 [end]
 [region static]
-Step 6 takes vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights (send_mode
-"http"); the script stops on a release with the factory API.
+Step 6 takes vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights, which hands
+each update to this script's client; the script stops on a release with the factory API.
 [end]
 [end]
 [region shm]
@@ -71,7 +71,7 @@ import requests
 from harness.portable.base import Unusable, free_port, say
 from harness.portable.corrupt import corrupt_weights
 from harness.portable.recipes import build_smollm2, build_tiny_model
-from harness.portable.send_ipc import json_safe_update_info, send_ipc, send_ipc_static
+from harness.portable.send_ipc import json_safe_update_info, send_ipc
 from harness.portable.send_nccl import send_nccl, send_nccl_static
 from harness.portable.send_shm import send_shm, setup_shm
 from harness.portable.steps import LEFT_BEHIND
@@ -154,12 +154,7 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
             # [end]
             # [end]
             # [region ipc]
-            # [region factory]
             api = send_ipc(client, weights, sc, args.sync_timeout)
-            # [end]
-            # [region static]
-            api = send_ipc_static(client, weights, sc, args.sync_timeout)
-            # [end]
             # [end]
             # [region shm]
             api = send_shm(client, weights, sc, args.sync_timeout)
@@ -324,9 +319,7 @@ class Client:
 
     def update_weights(self, update_info: Any) -> None:
         # [region ipc]
-        # [region factory]
         update_info = json_safe_update_info(update_info)
-        # [end]
         # [end]
         self.call("POST", "/update_weights", {"update_info": update_info})
 
