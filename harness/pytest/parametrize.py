@@ -77,18 +77,28 @@ def parametrize_cases(metafunc: pytest.Metafunc, s: _settings.Settings) -> None:
 
 def _beyond_quick(c: Case, s, twin: bool, pinned: bool = False) -> str:
     """Why case ``c`` is left out at quick depth ('' if it is not): the default model runs
-    in every dimension; another architecture once, in float32, without a twin, and on a
-    host without GPUs only where the test is pinned to it (the architecture sweep is a
-    server start per model there: ci/matrix.sh runs it, at full depth); graph mode
-    (150-300 s a start on CPU) only on GPUs, and no twin of a tensor-parallel CPU layout
-    (a 260 s start). What the user named is always run. Every test function still runs
-    at quick depth (tests/unit/test_default_tier.py)."""
+    in every dimension. Another architecture runs once: on GPUs in bfloat16 (what RL
+    trains in) with its twin, on the layouts whose server is on GPU 0 (the GPU 1 mirror
+    checks device identity, which llama shows), where a test pinned to it runs in every
+    case; on a host without GPUs in float32, without a twin, and only where the test is pinned to it
+    (the architecture sweep is a server start per model there). Graph mode (150-300 s a
+    start on CPU) runs only on GPUs, and no twin of a tensor-parallel CPU layout (a 260 s
+    start). ci/matrix.sh runs the rest, at full depth. What the user named is always run.
+    Every test function still runs at quick depth (tests/unit/test_default_tier.py)."""
     if c.mode != facts.DEFAULT_MODE and not c.layout.gpus_needed and "vllm_mode" not in s.explicit:
         return f"{c.mode} mode on a host without GPUs"
     if (twin and c.layout.tensor_parallel_size > 1 and not c.layout.gpus_needed
             and "vllm_layout" not in s.explicit):
         return "a twin of a tensor-parallel layout on a host without GPUs"
     if c.model in s.vllm_model or "vllm_model" in s.explicit:
+        return ""
+    if c.layout.gpus_needed:
+        if pinned:
+            return ""
+        if c.dtype == "float32" and "vllm_dtype" not in s.explicit:
+            return f"{c.model} in float32 (on GPUs the sweep runs in bfloat16)"
+        if c.layout.server_gpus[0] != 0 and "vllm_layout" not in s.explicit:
+            return f"{c.model} on {c.layout.name} (the sweep runs where the server is on GPU 0)"
         return ""
     if c.dtype != "float32" and "vllm_dtype" not in s.explicit:
         return f"{c.model} in {c.dtype}"

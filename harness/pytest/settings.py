@@ -390,8 +390,8 @@ class Settings:
         return present if self.vllm_gpus is None else min(present, self.vllm_gpus)
 
     def depth(self) -> str:
-        """'full' or 'quick' (harness_depth; by default full where GPUs are visible)."""
-        return self.harness_depth or ("full" if self.gpus() else "quick")
+        """'full' or 'quick' (harness_depth; quick by default, on GPUs as without)."""
+        return self.harness_depth or "quick"
 
     def host(self):
         """The host the run is planned for (``harness.run.plan.Host``): this one, or the one

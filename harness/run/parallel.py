@@ -146,7 +146,10 @@ def describe(p: Partition, needs: Sequence[_plan.Need | None], host: _plan.Host,
         out.append(f"  worker {k}: {servers} servers, {len(idx)} tests, about "
                    f"{(wall + free) / 60:.1f} min")
         out += [f"      {g.describe()}" for g in b]
-    head = [f"with {n} workers (-n {n}): about {max(walls, default=0) / 60:.1f} min of wall "
+    starts = sum(len(g.servers) for b in p.bins for g in b)
+    cut = sum(1 for b in p.bins for g in b if g.replicas > 1 and g.replica == 0)
+    head = [f"with {n} workers (-n {n}): {starts} server starts ({cut} configuration(s) cut "
+            f"into replicas), about {max(walls, default=0) / 60:.1f} min of wall "
             f"time expected, the slowest worker's; {free_tests} tests without a server are "
             f"shared out as workers ask"]
     if p.critical is not None:
