@@ -27,13 +27,17 @@ from typing import Any
 _OPENER = r"""
 import base64, hashlib, json, pickle, sys
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+device = torch.cuda.current_device()
+uuid = str(torch.cuda.get_device_properties(device).uuid)
 for line in sys.stdin:
     handles, packed, sizes = pickle.loads(base64.b64decode(line))
     views = []
     for by_gpu in handles if isinstance(handles, list) else [handles]:
-        (rebuild, args), = [v for v in by_gpu.values()]  # one GPU: one UUID
-        views.append(rebuild(*args).contiguous().view(-1).view(torch.uint8))
-    if packed:
+        args = list(by_gpu[uuid])  # as vLLM's worker: this GPU's entry, its own index
+        args[6] = device
+        views.append(rebuild_cuda_tensor(*args).contiguous().view(-1).view(torch.uint8))
+    if packed:  # one reused buffer: the update's tensors back to back from its start
         buf, views, at = views.pop(), [], 0
         for n in sizes:
             views.append(buf[at:at + n])
