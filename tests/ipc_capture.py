@@ -38,6 +38,7 @@ for line in sys.stdin:
         args[6] = device
         views.append(rebuild_cuda_tensor(*args).contiguous().view(-1).view(torch.uint8))
     if packed:  # one reused buffer: the update's tensors back to back from its start
+        assert len(views) == 1, f"a packed update with {len(views)} handles"
         buf, views, at = views.pop(), [], 0
         for n in sizes:
             views.append(buf[at:at + n])
@@ -51,10 +52,12 @@ for line in sys.stdin:
 
 class OpeningClient:
     """The four weight-sync routes, recorded; each update's handles opened by the opener
-    while the sender still holds them (the call is synchronous, as the server's is)."""
+    while the sender still holds them (the call is synchronous, as the server's is).
+    ``packed``: the group's, which only 0.26 repeats in every update (0.27.1+ sends it in
+    the init info alone)."""
 
-    def __init__(self, opener: subprocess.Popen):
-        self.opener, self.calls = opener, []
+    def __init__(self, opener: subprocess.Popen, packed: bool):
+        self.opener, self.packed, self.calls = opener, packed, []
 
     def init_weight_transfer_engine(self, info: dict) -> None:
         self.calls.append(["/init_weight_transfer_engine", info])
@@ -67,7 +70,7 @@ class OpeningClient:
 
         wire = json.loads(json.dumps(json_safe_update_info(info)))  # as the server gets it
         handles = pickle.loads(base64.b64decode(wire.pop("ipc_handles_pickled")))
-        line = base64.b64encode(pickle.dumps((handles, bool(wire.get("packed")),
+        line = base64.b64encode(pickle.dumps((handles, self.packed,
                                               wire.get("tensor_sizes")))).decode()
         self.opener.stdin.write(line + "\n")
         self.opener.stdin.flush()
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     opener = subprocess.Popen([sys.executable, "-c", _OPENER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
-        ours, theirs = OpeningClient(opener), OpeningClient(opener)
+        ours, theirs = OpeningClient(opener, a.packed), OpeningClient(opener, a.packed)
         sender = ipc.Sender(ours, packed=a.packed, options={"device": str(device)})
         sender.init()
         sent = weights(device)

@@ -13,12 +13,9 @@ from harness.portable.trainer_api import engine_module, factory_for, weight_sour
 
 
 class IpcSender:
-    """vLLM's CUDA IPC trainer side for one group: ``init()`` once, then ``send(weights)``
-    per update. ``api``: ``factory`` (0.27.1+: vLLM's trainer engine calls the routes on
-    ``client``) or ``static`` (0.26: ``trainer_send_weights`` hands each update info to a
-    callable that posts it through ``client``; the other routes are called here).
-    ``geometry``: ``packed_buffer_size_bytes`` where given. ``client``: the four routes
-    of vLLM's VLLMWeightSyncClient; its update_weights makes the handles JSON-safe."""
+    """vLLM's CUDA IPC trainer side of one group: ``init()`` once, ``send(weights)`` per update.
+    ``api``: ``factory`` (0.27.1+: vLLM's trainer engine calls the routes on ``client``) or
+    ``static`` (0.26: each update info goes to a callable that posts it through ``client``)."""
 
     def __init__(self, client: Any, *, packed: bool, api: str, geometry: dict | None = None):
         self.client, self.packed, self.api = client, packed, api
@@ -26,42 +23,43 @@ class IpcSender:
         self.engine: Any = None  # the factory's trainer engine, kept across updates
 
     def init(self) -> None:
-        # [region factory]
-        if self.api == "factory":  # calls /init_weight_transfer_engine; packed rides the info
-            info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=self.packed,
-                                                           **self.geometry)
-            self.engine = factory_for("ipc").trainer_init(info, client=self.client,
-                                                          source=weight_source([]))
-            return
-        # [end]
-        # [region static]
-        self.client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
-        # [end]
+        getattr(self, f"_init_{self.api}")()
 
     def send(self, weights: list) -> str:
         """One update of exactly ``weights``; returns which vLLM API did it, in words."""
-        # [region factory]
-        if self.api == "factory":
-            self.engine.source = weight_source(weights)
-            self.engine.send_weights()  # /start_weight_update, /update_weights..., /finish
-            return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
-        # [end]
-        # [region static]
+        return getattr(self, f"_send_{self.api}")(weights)
+
+    def close(self) -> None:
+        self.engine = None
+    # [region factory]
+
+    def _init_factory(self) -> None:  # calls /init_weight_transfer_engine; packed rides the info
+        info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=self.packed, **self.geometry)
+        self.engine = factory_for("ipc").trainer_init(info, client=self.client,
+                                                      source=weight_source([]))
+
+    def _send_factory(self, weights: list) -> str:
+        self.engine.source = weight_source(weights)
+        self.engine.send_weights()  # /start_weight_update, /update_weights..., /finish
+        return "WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo) + send_weights"
+    # [end]
+    # [region static]
+
+    def _init_static(self) -> None:
+        self.client.init_weight_transfer_engine({})  # 0.26's IPC init info has no fields
+
+    def _send_static(self, weights: list) -> str:
         client = self.client
         client.start_weight_update()
-        # send_mode as a callable: each IPCWeightTransferUpdateInfo is posted through
-        # ``client`` (its errors and timeout), not vLLM's own requests.post; packed and
-        # the geometry ride each update
+        # a callable send_mode: each update posted through ``client`` (its errors and
+        # timeout), not vLLM's own requests.post; packed and the geometry ride each update
         engine_module("ipc").IPCWeightTransferEngine.trainer_send_weights(iter(weights), {
             "send_mode": lambda info: client.update_weights(update_info_as_dict(info)),
             "packed": self.packed, **self.geometry})
         client.finish_weight_update()
         return ("IPCWeightTransferEngine.trainer_send_weights with a callable send_mode, "
-                "the routes called here")
-        # [end]
-
-    def close(self) -> None:
-        self.engine = None
+                "start and finish called by the sender")
+    # [end]
 
 
 def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
@@ -69,6 +67,7 @@ def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> 
     sender = IpcSender(client, packed=sc["packed"], api=sc["trainer_api"])
     sender.init()
     return sender.send(weights)
+# [region static]
 
 
 def update_info_as_dict(info: Any) -> Any:
@@ -77,6 +76,7 @@ def update_info_as_dict(info: Any) -> Any:
     if not dataclasses.is_dataclass(info):
         return info
     return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+# [end]
 
 
 def json_safe_update_info(update_info: Any) -> Any:

@@ -31,6 +31,9 @@ from harness.transfer import check_on_device, cuda_device
 from harness.vllm import api as vllm_api
 
 
+API_WORDS = {"factory": "trainer engine", "static": "static API"}  # as nccl.py says them
+
+
 class IpcSendError(RuntimeError):
     pass
 
@@ -68,7 +71,8 @@ class Sender:
         weights = list(weights)
         check_on_device(weights, self.device, IpcSendError)
         self.rc.reset()
-        api_path = self._via_raw(weights) if self.vllm is None else self.vllm.send(weights)
+        api_path = (self._via_raw(weights) if self.vllm is None else
+                    f"vLLM {API_WORDS[self.path]}: {self.vllm.send(weights)}")
         # One update_weights call per packed buffer, or one for all tensors unpacked.
         return transfer.send_result(weights, chunks=self.rc.update_calls, api_path=api_path,
                                     client=self.rc, path=self.path, device=str(self.device))

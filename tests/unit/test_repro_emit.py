@@ -214,7 +214,8 @@ ENGINE_CODE = {"nccl": "def send_nccl", "ipc": "def send_ipc", "shm": "def send_
                "smollm2": "def build_smollm2("}
 MAX_LINES = 520  # an emitted NCCL or IPC script of the default model, a bug report's attachment
 # What they hold at most now (NCCL static, qwen3-moe, --corrupt swap: 531; the default
-# model: NCCL 506 and 508, IPC 464 and 496); no script may grow past it.
+# model: NCCL 506 and 508, IPC 497 and 506, one sender class with both halves); no script
+# may grow past it.
 LINES_NOW = 531
 # What a script of each trainer API holds, and lacks: NCCL has a function per API, IPC one
 # sender whose factory and static halves are regions
@@ -785,16 +786,19 @@ def _fake_ipc_vllm(monkeypatch, api: str) -> dict:
 
     seen: dict = {"args": []}
 
-    def updates(weights, packed):
+    def updates(weights, packed, repeat_packed=True):
         weights = list(weights)
         step = 2 if packed else len(weights) or 1
         for i in range(0, len(weights), step):
             chunk = weights[i:i + step]
-            yield _IpcUpdateInfo(
+            info = _IpcUpdateInfo(
                 [n for n, _ in chunk], [str(t.dtype).removeprefix("torch.") for _, t in chunk],
                 [list(t.shape) for _, t in chunk],
                 [{"GPU-0": ("bytes", t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())}
                  for _, t in chunk], packed)
+            if not repeat_packed:  # 0.27.1+: packed rides the init info only
+                info = {k: v for k, v in dataclasses.asdict(info).items() if k != "packed"}
+            yield info
 
     class IPCWeightTransferEngine:
         @staticmethod
@@ -815,8 +819,8 @@ def _fake_ipc_vllm(monkeypatch, api: str) -> dict:
 
         def send_weights(self):
             self.client.start_weight_update()
-            for info in updates(self.source, self.info.packed):
-                self.client.update_weights(dataclasses.asdict(info))
+            for info in updates(self.source, self.info.packed, repeat_packed=False):
+                self.client.update_weights(info)
             self.client.finish_weight_update()
 
     class Factory:

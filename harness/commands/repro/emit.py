@@ -7,7 +7,7 @@ imported by the tests, shipped as package data). A script holds only its scenari
 code:
 
 * the portable modules: the engine's ``send_<engine>`` first (what a maintainer reads),
-  ``trainer_api`` for NCCL and IPC, ``steps`` for NCCL and 0.26's IPC, ``bucketing`` for
+  ``trainer_api`` for NCCL and IPC, ``steps`` for NCCL, ``bucketing`` for
   shm, ``corrupt`` for a deliberate corruption, ``recipes`` for a zoo model, ``base``; each
   put, without its imports, where the template marks the place, under a comment that
   names the module and holds the first paragraph of its docstring;
