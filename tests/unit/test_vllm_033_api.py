@@ -227,11 +227,13 @@ def test_the_nccl_sender_repeats_metadata_through_its_engine(monkeypatch):
     from harness.transfer import nccl
 
     sender = nccl.Sender.__new__(nccl.Sender)
-    sender.engine = types.SimpleNamespace(_sent_meta=["x"])
-    sender.repeat_metadata()
-    assert sender.engine._sent_meta is None
-    sender.engine = None
+    sender.vllm = None
     sender.repeat_metadata()  # before the group is open: nothing to forget
+    sender.vllm = types.SimpleNamespace(engine=types.SimpleNamespace(_sent_meta=["x"]))
+    sender.repeat_metadata()
+    assert sender.vllm.engine._sent_meta is None
+    sender.vllm.engine = None
+    sender.repeat_metadata()  # a static group: no engine
 
 
 def test_the_installed_release_is_probed_for_both(monkeypatch):

@@ -247,62 +247,92 @@ def test_send_result_shape():
 
 # --------------------------------------------------------------------------- NCCL plumbing
 
-def test_nccl_step_returns_and_raises():
-    from harness.transfer import nccl
+def test_nccl_steps_return_and_raise():
+    from harness.portable.steps import in_flight
 
     rc = vllm_api.RecordingClient(FakeServerClient())
-    assert nccl._Step("add", lambda: 1 + 1).result(5, rc) == 2
+    assert in_flight(5, "cpu", ("add", lambda: 1 + 1), watch=rc) == [2]
 
     def boom():
         raise ValueError("trainer side broke")
 
     with pytest.raises(ValueError, match="trainer side broke"):
-        nccl._Step("boom", boom).result(5, rc)
+        in_flight(5, "cpu", ("boom", boom), watch=rc)
 
 
 def test_nccl_step_times_out_naming_the_step():
-    from harness.transfer import nccl
+    from harness.portable.steps import in_flight
 
     rc = vllm_api.RecordingClient(FakeServerClient())
     never = threading.Event()
     t0 = time.monotonic()
-    with pytest.raises(nccl.NcclSendError, match=r"NCCL rendezvous.*not done within 1s"):
-        nccl._Step("NCCL rendezvous", never.wait).result(1, rc)
+    with pytest.raises(TimeoutError, match=r"NCCL rendezvous: not done within 1s \(HTTP "
+                                           r"calls so far: \)"):
+        in_flight(1, "cpu", ("NCCL rendezvous", never.wait), watch=rc)
     assert time.monotonic() - t0 < 5
     never.set()
 
 
-def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
-    from harness.transfer import nccl
+def test_nccl_step_stops_waiting_when_a_route_vllm_called_fails(monkeypatch):
+    """vLLM's trainer engine calls /update_weights on a thread of its own: its failure,
+    seen through the client, ends the wait for a broadcast that will never be met."""
+    from harness.portable import steps
 
-    monkeypatch.setattr(nccl, "GRACE_S", 0.2)
+    monkeypatch.setattr(steps, "GRACE_S", 0.2)
     rc = vllm_api.RecordingClient(FakeServerClient(fail_on="update"))
     never = threading.Event()
-    http = nccl._Step("/update_weights", lambda: rc.update_weights({"names": []}))
-    t0 = time.monotonic()
-    with pytest.raises(nccl.NcclSendError, match=r"broadcast: still blocked.*/update_weights "
-                                                 r"failed.*HTTP 500"):
-        nccl._Step("broadcast", never.wait).result(60, rc)
-    assert time.monotonic() - t0 < 5
     with pytest.raises(RuntimeError, match="HTTP 500"):
-        http.result(5, rc)
+        rc.update_weights({"names": []})  # as vLLM's own thread would
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"broadcast: still blocked 0s after /update_weights "
+                                           r"failed.*HTTP 500"):
+        steps.in_flight(60, "cpu", ("broadcast", never.wait), watch=rc)
+    assert time.monotonic() - t0 < 5
     never.set()
+
+
+def test_the_harness_nccl_sender_names_a_stuck_step_as_its_own_error(monkeypatch):
+    """The shared sender's waits surface from the harness's Sender as NcclSendError."""
+    from harness.transfer import nccl
+
+    with pytest.raises(nccl.NcclSendError, match="not done within"):
+        with nccl._as_send_error():
+            raise TimeoutError("rendezvous: not done within 1s")
+    with pytest.raises(ValueError, match="vLLM's own"):  # an error of the step passes
+        with nccl._as_send_error():
+            raise ValueError("vLLM's own")
 
 
 def test_nccl_update_info_follows_the_dataclass_fields():
-    from harness.transfer import nccl
+    from harness.portable.base import Unusable
+    from harness.portable.send_nccl import NcclSender
 
-    weights = _weights()
-    old = {"nccl_update_info_fields": ["names", "dtype_names", "shapes", "packed",
-                                       "packed_buffer_size_bytes", "packed_num_buffers"]}
-    info = nccl._update_info(weights, {"packed": True, "packed_buffer_size_bytes": 64}, old)
+    class Recorder:
+        def __init__(self):
+            self.updates = []
+
+        start_weight_update = finish_weight_update = lambda self: None
+
+        def update_weights(self, info):
+            self.updates.append(info)
+
+    def sent(packed, fields, geometry):
+        sender = NcclSender(Recorder(), packed=packed, api="static", device="cpu",
+                            world_size=2, timeout=5)
+        sender.geometry, sender.broadcast = geometry, lambda weights: None
+        sender.fields = fields
+        sender.send(_weights())
+        return sender.client.updates[0]
+
+    old = ["names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
+           "packed_num_buffers"]
+    info = sent(True, old, {"packed_buffer_size_bytes": 64})
     assert info["packed"] is True and info["packed_buffer_size_bytes"] == 64
     assert info["dtype_names"][2] == "bfloat16" and info["shapes"][2] == [4, 6]
-    new = {"nccl_update_info_fields": ["names", "dtype_names", "shapes"]}
-    assert set(nccl._update_info(weights, {"packed": False}, new)) == \
-           {"names", "dtype_names", "shapes"}
-    with pytest.raises(nccl.NcclSendError, match="no 'packed' field"):
-        nccl._update_info(weights, {"packed": True}, new)
+    new = ["names", "dtype_names", "shapes"]
+    assert set(sent(False, new, {})) == {"names", "dtype_names", "shapes"}
+    with pytest.raises(Unusable, match="no 'packed' field"):
+        sent(True, new, {})
 
 
 def test_nccl_counts_broadcasts_on_one_communicator():
@@ -366,14 +396,20 @@ def test_nccl_group_spans_every_server_rank_with_the_trainer_at_rank_0(server_ra
     worker: world size = the server's ranks + 1, the trainer is rank 0 and the workers
     start at rank_offset 1. Checked here on the 0.26 (static) path, without GPUs: the
     communicator is a fake that records how it was opened."""
+    import types
+
+    import torch
+
+    from harness.portable import send_nccl
     from harness.transfer import nccl
 
     opened = []
     monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
         "nccl_path": "static", "errors": {}})
     monkeypatch.setattr(nccl, "cuda_device", lambda options, error, why: "cuda:2")
-    monkeypatch.setattr(vllm_api, "lookup", lambda name: (
-        lambda rendezvous: opened.append(dict(rendezvous)) or object()))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # each step's thread
+    monkeypatch.setattr(send_nccl, "_wt", lambda module: types.SimpleNamespace(
+        trainer_init=lambda rendezvous: opened.append(dict(rendezvous)) or object()))
 
     class Server(FakeServerClient):
         def world_size(self):
@@ -381,20 +417,8 @@ def test_nccl_group_spans_every_server_rank_with_the_trainer_at_rank_0(server_ra
 
     server = Server()
     sender = nccl.Sender(server, packed=True, options={"device": "cuda:2", "nccl_port": 29555})
-    monkeypatch.setattr(nccl._Step, "__init__", _run_inline)
     sender.init()
     expected = {"master_address": "127.0.0.1", "master_port": 29555,
                 "world_size": server_ranks + 1}
     assert opened == [expected]
     assert server.posted == [("init", ({**expected, "rank_offset": 1},))]
-
-
-def _run_inline(self, name, fn, device=None):
-    """nccl._Step without its thread: run now, keep the outcome (the fakes never block)."""
-    self.name, self._done = name, threading.Event()
-    self._value, self._error = None, None
-    try:
-        self._value = fn()
-    except BaseException as e:
-        self._error = e
-    self._done.set()

@@ -30,8 +30,8 @@ Step 6 takes vLLM's factory trainer API for NCCL (0.28.0+), trainer_init(NCCLTra
 + send_weights(); the script stops on a release without it.
 [end]
 [region static]
-Step 6 takes vLLM 0.26's static NCCLWeightTransferEngine trainer_init + trainer_send_weights;
-the script stops on a release with the factory API.
+Step 6 takes vLLM 0.26's static nccl_common.trainer_init + NCCLWeightTransferEngine
+.trainer_send_weights; the script stops on a release with the factory API.
 [end]
 [end]
 [region ipc]
@@ -72,7 +72,7 @@ from harness.portable.base import Unusable, free_port, say
 from harness.portable.corrupt import corrupt_weights
 from harness.portable.recipes import build_smollm2, build_tiny_model
 from harness.portable.send_ipc import json_safe_update_info, send_ipc
-from harness.portable.send_nccl import send_nccl, send_nccl_static
+from harness.portable.send_nccl import send_nccl
 from harness.portable.send_shm import send_shm, setup_shm
 from harness.portable.steps import LEFT_BEHIND
 from harness.portable.trainer_api import check_trainer_api
@@ -146,12 +146,7 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
             # [end]
             t0 = time.monotonic()
             # [region nccl]
-            # [region factory]
             api = send_nccl(client, weights, sc, args.sync_timeout)
-            # [end]
-            # [region static]
-            api = send_nccl_static(client, weights, sc, args.sync_timeout)
-            # [end]
             # [end]
             # [region ipc]
             api = send_ipc(client, weights, sc, args.sync_timeout)
