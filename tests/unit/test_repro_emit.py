@@ -716,20 +716,29 @@ def _fake_nccl_vllm(monkeypatch, api: str) -> dict:
     nccl = types.SimpleNamespace(NCCLWeightTransferEngine=NCCLWeightTransferEngine,
                                  NCCLWeightTransferUpdateInfo=_NcclUpdateInfo026,
                                  NCCLTrainerSendWeightsArgs=_SendArgs)
+    _fake_trainer_api(monkeypatch, api, "nccl", nccl, NCCLTrainerInitInfo, Factory,
+                      nccl_common=types.SimpleNamespace(trainer_init=trainer_init))
+    return seen
+
+
+def _fake_trainer_api(monkeypatch, api: str, engine: str, module, init_info_cls, factory,
+                      **more) -> None:
+    """vLLM's ``<engine>_engine`` module, trainer factory and WeightSource as ``api``
+    shapes them: 0.32's factory takes ``<ENGINE>TrainerInitInfo``; 0.26's takes the
+    backend first and registers nothing."""
     if api == "factory":
-        nccl.NCCLTrainerInitInfo = NCCLTrainerInitInfo
-    else:  # 0.26's factory takes the backend first and registers nothing
-        Factory.trainer_init = classmethod(lambda cls, backend, config, init_info: None)
+        setattr(module, f"{engine.upper()}TrainerInitInfo", init_info_cls)
+    else:
+        factory.trainer_init = classmethod(lambda cls, backend, config, init_info: None)
 
     class WeightSource:
         pass
 
     _fake_vllm(monkeypatch, {
-        "nccl_engine": nccl, "nccl_common": types.SimpleNamespace(trainer_init=trainer_init),
-        "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory),
+        f"{engine}_engine": module, **more,
+        "factory": types.SimpleNamespace(WeightTransferTrainerFactory=factory),
         "base": types.SimpleNamespace(WeightSource=WeightSource,
                                       ParamMeta=lambda n, d, s: (n, d, s))})
-    return seen
 
 
 class _NcclServer(_Rendezvous):
@@ -934,18 +943,7 @@ def _fake_ipc_vllm(monkeypatch, api: str) -> dict:
             return TrainerEngine(init_info, client)
 
     ipc = types.SimpleNamespace(IPCWeightTransferEngine=IPCWeightTransferEngine)
-    if api == "factory":
-        ipc.IPCTrainerInitInfo = IPCTrainerInitInfo
-    else:  # 0.26's factory takes the backend first and registers nothing
-        Factory.trainer_init = classmethod(lambda cls, backend, config, init_info: None)
-
-    class WeightSource:
-        pass
-
-    _fake_vllm(monkeypatch, {
-        "ipc_engine": ipc, "factory": types.SimpleNamespace(WeightTransferTrainerFactory=Factory),
-        "base": types.SimpleNamespace(WeightSource=WeightSource,
-                                      ParamMeta=lambda n, d, s: (n, d, s))})
+    _fake_trainer_api(monkeypatch, api, "ipc", ipc, IPCTrainerInitInfo, Factory)
     return seen
 
 
