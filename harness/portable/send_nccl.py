@@ -65,17 +65,17 @@ class NcclSender:
     group_api = "nccl_common.trainer_init"  # what opens rank 0's communicator, in words
     fields: list | None = None  # the update info's fields, where known without vLLM's class
 
-    def open_group(self) -> Any:  # (the harness's raw path has its own, and broadcast)
+    def open_group(self) -> Any:  # (the harness's raw path has its own, and broadcaster)
         return _wt("nccl_common").trainer_init(dict(self.rendezvous))
 
-    def broadcast(self, weights: list) -> None:
+    def broadcaster(self, weights: list) -> Callable[[], None]:  # built before any route
         mod = engine_module("nccl")
         args_cls = getattr(mod, "NCCLTrainerSendWeightsArgs", None)
         # NCCL reads numel elements from data_ptr(): broadcast contiguous memory only
         args = {"group": self.group, "src": 0, "packed": self.packed,
                 "post_iter_func": lambda item: item[1].contiguous(), **self.geometry}
-        mod.NCCLWeightTransferEngine.trainer_send_weights(
-            iter(weights), args_cls(**args) if args_cls else args)
+        args = args_cls(**args) if args_cls else args
+        return lambda: mod.NCCLWeightTransferEngine.trainer_send_weights(iter(weights), args)
 
     def _init_static(self) -> None:
         r = self.rendezvous
@@ -97,6 +97,7 @@ class NcclSender:
                   "shapes": [list(t.shape) for _, t in weights],
                   **{k: v for k, v in {"packed": self.packed, **self.geometry}.items()
                      if k in fields}}
+        broadcast = self.broadcaster(weights)
 
         def trainer_side() -> None:
             # [region harness]
@@ -105,7 +106,7 @@ class NcclSender:
                       "before the broadcast", flush=True)
                 time.sleep(self.hold_before_broadcast_s)
             # [end]
-            self.broadcast(weights)
+            broadcast()
             if self.device.startswith("cuda"):  # enqueued is not sent: wait before they change
                 import torch
 

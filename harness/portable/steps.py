@@ -10,10 +10,14 @@ LEFT_BEHIND: list[threading.Thread] = []  # calls still blocked (in NCCL) past t
 GRACE_S = 5.0  # after one call failed, the time the others get to end
 
 
+class StepTimeout(TimeoutError):
+    """A call was not done in time, or still blocked after another one failed."""
+
+
 def in_flight(timeout: float, device: str, *calls: tuple[str, Callable[[], Any]],
               watch: Any = None) -> list:
     """Run each (name, fn) at once on a daemon thread (on ``device``: the current CUDA device is
-    per thread): their results, else the first failure, else TimeoutError after ``timeout`` s. A
+    per thread): their results, else the first failure, else StepTimeout after ``timeout`` s. A
     call stuck in NCCL cannot be interrupted: it is left behind, and main() exits without it.
     ``watch``: the harness's client, whose ``failed`` event ends the wait as a failure does."""
     results: dict[str, Any] = {}
@@ -45,17 +49,17 @@ def in_flight(timeout: float, device: str, *calls: tuple[str, Callable[[], Any]]
     LEFT_BEHIND.extend(stuck)
     # [region harness]
     if stuck and not errors and peer_failed():
-        raise TimeoutError(f"{stuck[0].name}: still blocked {GRACE_S:.0f}s after "
+        raise StepTimeout(f"{stuck[0].name}: still blocked {GRACE_S:.0f}s after "
                            f"{watch.error_route} failed, so the server side will not join it; "
                            f"that failure was: {watch.error}") from watch.error
     # [end]
     if errors:
         failed, error = next(iter(errors.items()))
         if stuck:
-            raise TimeoutError(f"{stuck[0].name}: still blocked after {failed} failed; "
+            raise StepTimeout(f"{stuck[0].name}: still blocked after {failed} failed; "
                                f"that failure was: {error}") from error
         raise error
     if stuck:
-        so_far = "" if watch is None else f" (HTTP calls so far: {', '.join(watch.calls)})"
-        raise TimeoutError(f"{stuck[0].name}: not done within {timeout:.0f}s{so_far}")
+        said = f" (HTTP calls so far: {', '.join(watch.calls) or 'none'})" if watch else ""
+        raise StepTimeout(f"{stuck[0].name}: not done within {timeout:.0f}s{said}")
     return [results[name] for name, _ in calls]

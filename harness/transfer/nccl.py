@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from harness import transfer
 from harness.core.facts import free_port
 from harness.portable.base import Unusable
 from harness.portable.send_nccl import NcclSender  # the scripts' own
+from harness.portable.steps import StepTimeout
 from harness.transfer import check_on_device, cuda_device
 from harness.vllm import api as vllm_api
 
@@ -108,7 +109,9 @@ class Sender:
                            device=self.device, world_size=world_size, timeout=self.timeout,
                            master_port=self.master_port)
         self.vllm.rendezvous["master_address"] = self.master_address
-        self.vllm.geometry, self.vllm.watch = self.geometry, self.client
+        self.vllm.watch = self.client
+        if self.path != "raw":  # the raw path broadcasts tensor by tensor, no buffers
+            self.vllm.geometry = self.geometry
         self.vllm.hold_before_broadcast_s = self.hold_before_broadcast_s
         if self.path == "raw":
             self.vllm.fields = self.caps.get("nccl_update_info_fields") or []
@@ -168,12 +171,14 @@ class _RawSender(NcclSender):
                                           rank=0, world_size=r["world_size"])
         return PyNcclCommunicator(pg, device=self.device)
 
-    def broadcast(self, weights: list) -> None:
+    def broadcaster(self, weights: list) -> Callable[[], None]:
         import torch
 
-        stream = torch.cuda.current_stream()
-        for _, t in weights:
-            self.group.broadcast(t.contiguous(), src=0, stream=stream)
+        def broadcast() -> None:
+            stream = torch.cuda.current_stream()
+            for _, t in weights:
+                self.group.broadcast(t.contiguous(), src=0, stream=stream)
+        return broadcast
 
     def _send_static(self, weights: list) -> str:
         super()._send_static(weights)
@@ -186,8 +191,8 @@ def _as_send_error():
     an error raised inside a step (vLLM's, the server's) passes as it is."""
     try:
         yield
-    except (TimeoutError, Unusable) as e:
-        raise NcclSendError(str(e)) from e
+    except (StepTimeout, Unusable) as e:
+        raise NcclSendError(str(e)) from (e.__cause__ or e)
 
 
 # --------------------------------------------------------------------------- counting

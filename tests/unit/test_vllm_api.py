@@ -267,7 +267,7 @@ def test_nccl_step_times_out_naming_the_step():
     never = threading.Event()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"NCCL rendezvous: not done within 1s \(HTTP "
-                                           r"calls so far: \)"):
+                                           r"calls so far: none\)"):
         in_flight(1, "cpu", ("NCCL rendezvous", never.wait), watch=rc)
     assert time.monotonic() - t0 < 5
     never.set()
@@ -295,12 +295,16 @@ def test_the_harness_nccl_sender_names_a_stuck_step_as_its_own_error(monkeypatch
     """The shared sender's waits surface from the harness's Sender as NcclSendError."""
     from harness.transfer import nccl
 
-    with pytest.raises(nccl.NcclSendError, match="not done within"):
+    from harness.portable.steps import StepTimeout
+
+    with pytest.raises(nccl.NcclSendError, match="not done within") as e:
         with nccl._as_send_error():
-            raise TimeoutError("rendezvous: not done within 1s")
-    with pytest.raises(ValueError, match="vLLM's own"):  # an error of the step passes
-        with nccl._as_send_error():
-            raise ValueError("vLLM's own")
+            raise StepTimeout("rendezvous: not done within 1s")
+    assert isinstance(e.value.__cause__, StepTimeout)
+    for own in (ValueError("vLLM's own"), TimeoutError("a socket's own")):  # a step's error
+        with pytest.raises(type(own), match="own"):                         # passes as it is
+            with nccl._as_send_error():
+                raise own
 
 
 def test_nccl_update_info_follows_the_dataclass_fields():
@@ -319,7 +323,8 @@ def test_nccl_update_info_follows_the_dataclass_fields():
     def sent(packed, fields, geometry):
         sender = NcclSender(Recorder(), packed=packed, api="static", device="cpu",
                             world_size=2, timeout=5)
-        sender.geometry, sender.broadcast = geometry, lambda weights: None
+        sender.geometry = geometry
+        sender.broadcaster = lambda weights: lambda: None
         sender.fields = fields
         sender.send(_weights())
         return sender.client.updates[0]
