@@ -2,9 +2,10 @@
 
 A variant is what a test is parametrized over: the engine vLLM is started with
 (``--weight-transfer-config '{"backend": engine}'``), whether the data plane is
-packed, and what hardware it needs. Each engine's trainer-side sender lives in
-its own module here (``shm``, ``nccl``, ``ipc``) as a class ``Sender`` with the
-life of an RL trainer's transfer group: ``init()`` once (the
+packed, and what hardware it needs. Each engine's trainer side is a class
+``Sender`` in its own module here (``shm``, ``nccl``, ``ipc``), which drives that
+engine's one sender in ``harness.portable`` (the code the repro scripts copy) with
+the life of an RL trainer's transfer group: ``init()`` once (the
 ``/init_weight_transfer_engine`` call, plus the NCCL rendezvous), then ``send()``
 for every update (``/start_weight_update``, ``/update_weights``...,
 ``/finish_weight_update``), then ``close()``. Every ``send`` returns a
