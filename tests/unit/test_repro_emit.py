@@ -833,7 +833,42 @@ def test_an_nccl_sender_that_differs_from_the_script_is_caught(monkeypatch, emit
     assert vllm_ours["broadcast"][0][-1] != vllm_theirs["broadcast"][0][-1]
 
 
-def test_nccl_factory_api_as_in_vllm_0_32_sends_exactly_the_list(monkeypatch, emitted):
+def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
+    """The script on 0.26's shape: rank 0 joins through nccl_common.trainer_init while
+    /init_weight_transfer_engine (rank_offset 1) is in flight; packed rides the update,
+    which is in flight beside a broadcast of contiguous tensors."""
+    script = emitted("nccl", "--corrupt", "drop", *STATIC)
+    seen = _fake_nccl_vllm(monkeypatch, "static")
+    seen["client"] = client = _NcclServer()
+    script.check_trainer_api("nccl", "static")
+    api = script.send_nccl(client, _weights(), {"trainer_device": "cpu", "packed": True,
+                                                "trainer_api": "static"}, 30)
+    assert "nccl_common.trainer_init + NCCLWeightTransferEngine.trainer_send_weights" in api
+    assert seen["init"] == [{"master_address": "127.0.0.1", "world_size": 2}]
+    assert [c for c, _ in client.calls] == ["init", "start", "update", "finish"]
+    assert client.calls[0][1] == {**seen["init"][0], "rank_offset": 1}
+    update = client.calls[2][1]
+    assert update["names"] == [n for n, _ in _weights()] and update["packed"] is True
+    assert update["dtype_names"] == ["float32"] * len(_weights())
+    assert seen["args"] == [{"group": "group", "src": 0, "packed": True}]
+
+
+def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
+    """The script on 0.26's shape: its own init and start, vLLM's trainer_send_weights
+    handing each update to a callable that posts it through the script's client, then
+    finish; packed rides the arguments."""
+    script = emitted("ipc", *STATIC)
+    seen = _fake_ipc_vllm(monkeypatch, "static")
+    client = _IpcReadingClient()
+    script.check_trainer_api("ipc", "static")
+    script.send_ipc(client, _weights(), {"packed": True, "trainer_api": "static"}, 30)
+    assert seen["args"] == [{"packed": True}]
+    assert [c for c, _ in client.calls] == ["init", "start"] + ["update"] * 4 + ["finish"]
+    assert client.calls[0][1] == {}
+    assert all(u["packed"] is True for c, u in client.calls if c == "update")
+
+
+def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
     """A damaged list (``--corrupt drop``) is what the factory's engine gets, no more."""
     script = emitted("nccl", "--corrupt", "drop")
     seen = _fake_nccl_vllm(monkeypatch, "factory")

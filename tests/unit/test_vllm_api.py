@@ -247,7 +247,7 @@ def test_send_result_shape():
 
 # --------------------------------------------------------------------------- NCCL plumbing
 
-def test_nccl_steps_return_and_raise():
+def test_nccl_step_returns_and_raises():
     from harness.portable.steps import in_flight
 
     rc = vllm_api.RecordingClient(FakeServerClient())
@@ -273,7 +273,7 @@ def test_nccl_step_times_out_naming_the_step():
     never.set()
 
 
-def test_nccl_step_stops_waiting_when_a_route_vllm_called_fails(monkeypatch):
+def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
     """vLLM's trainer engine calls /update_weights on a thread of its own: its failure,
     seen through the client, ends the wait for a broadcast that will never be met."""
     from harness.portable import steps
