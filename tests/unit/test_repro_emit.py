@@ -651,18 +651,22 @@ def test_calls_in_flight_end_together_or_are_left_behind(monkeypatch, emitted):
     release.set()
 
 
+def _bytes(t) -> bytes:
+    """A tensor's bytes, whatever its dtype (numpy has no bfloat16)."""
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
 def _fake_nccl_vllm(monkeypatch, api: str) -> dict:
     """vLLM's NCCL trainer API as 0.26 (``static``: nccl_common.trainer_init, a static
     trainer_send_weights, packed in each update) or 0.32 (``factory``: the trainer engine,
     which calls the routes itself) shapes it. What is "broadcast" is recorded as bytes;
     ``seen["client"]`` is the _Rendezvous the next sender talks to."""
-    import torch
-
     seen: dict = {"broadcast": [], "args": [], "init": []}
 
     def broadcast(tensors):
-        seen["broadcast"].append([t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                                  for t in tensors])
+        seen["broadcast"].append([_bytes(t) for t in tensors])
         seen["client"].broadcast.set()
 
     class NCCLWeightTransferEngine:
@@ -927,8 +931,6 @@ def _fake_ipc_vllm(monkeypatch, api: str) -> dict:
     """vLLM's IPC trainer API as 0.26 (``static``) or 0.32 (``factory``) shapes it, with a
     "handle" that carries the tensor's bytes; packed: two tensors per update. Returns what
     the stand-in engine was given."""
-    import torch
-
     seen: dict = {"args": []}
 
     def updates(weights, packed, repeat_packed=True):
@@ -939,8 +941,7 @@ def _fake_ipc_vllm(monkeypatch, api: str) -> dict:
             info = _IpcUpdateInfo(
                 [n for n, _ in chunk], [str(t.dtype).removeprefix("torch.") for _, t in chunk],
                 [list(t.shape) for _, t in chunk],
-                [{"GPU-0": ("bytes", t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())}
-                 for _, t in chunk], packed)
+                [{"GPU-0": ("bytes", _bytes(t))} for _, t in chunk], packed)
             if not repeat_packed:  # 0.27.1+: packed rides the init info only
                 info = {k: v for k, v in dataclasses.asdict(info).items() if k != "packed"}
             yield info
