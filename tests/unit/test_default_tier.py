@@ -41,3 +41,26 @@ def test_every_listed_function_is_in_the_default_tier():
 def test_the_list_names_no_function_twice():
     names = listed()
     assert len(names) == len(set(names)) and len(names) >= 123, len(names)
+
+
+def gpu_functions(depth: str) -> set[str]:
+    """``file::function`` of what ``-k "ipc and not smollm2"`` collects for one H200 (the
+    GPU CI selection, planned for that host) at ``depth``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
+    env.update(HARNESS_REPORT_PROBES="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", "-k", "ipc and not smollm2",
+                        "--harness-plan-host", "gpus=1,cores=16,gpu_memory_gib=139,ram_gib=128",
+                        "--harness-depth", depth],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {line.split("[", 1)[0] for line in r.stdout.splitlines() if "::" in line}
+
+
+def test_quick_depth_on_a_gpu_keeps_every_test_function_of_full_depth():
+    """On GPUs quick depth (the default) trims the architecture sweep's cases, never a test
+    function: every function the GPU CI selection runs at full depth it runs at quick."""
+    full, quick = gpu_functions("full"), gpu_functions("quick")
+    missing = sorted(full - quick)
+    assert not missing, f"{len(missing)} function(s) only at full depth on a GPU: {missing[:10]}"
+    assert len(quick) >= 120, len(quick)
