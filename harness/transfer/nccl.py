@@ -19,7 +19,7 @@ Since the sender was shared (2026-12-04) it has run only against CPU stand-ins
 (tests/unit/test_repro_emit.py): on two GPUs it is a hypothesis until a run shows it.
 
 Nothing may wait forever. Every blocking step runs on a daemon thread that is
-joined with a timeout (``harness.portable.steps.in_flight``), and a failed HTTP
+joined with a timeout (``NcclSender.steps``), and a failed HTTP
 call (``RecordingClient.failed``) ends the wait early: a trainer blocked in a
 collective whose peer has given up would otherwise wait for it until the NCCL or
 TCPStore timeout. The error names the
@@ -36,8 +36,7 @@ from typing import Any, Callable
 from harness import transfer
 from harness.core.facts import free_port
 from harness.portable.base import Unusable
-from harness.portable.send_nccl import NcclSender  # the scripts' own
-from harness.portable.steps import StepTimeout
+from harness.portable.send_nccl import NcclSender, StepTimeout  # the scripts' own
 from harness.transfer import check_on_device, cuda_device
 from harness.vllm import api as vllm_api
 
@@ -153,16 +152,15 @@ class Sender:
         """The next update carries its names, dtypes and shapes even when unchanged:
         vLLM 0.33's trainer engine elides them otherwise, and a lie about metadata
         that is not sent tells nothing (``vllm_api.forget_sent_metadata``)."""
-        if self.vllm is not None and self.vllm.engine is not None:
-            vllm_api.forget_sent_metadata(self.vllm.engine)
+        engine = getattr(self.vllm, "engine", None)  # the factory's, once init() has run
+        if engine is not None:
+            vllm_api.forget_sent_metadata(engine)
 
 
 class _RawSender(NcclSender):
     """No trainer API in this vLLM: rank 0 through vLLM's own communicator, a broadcast
     tensor by tensor in the order the update info lists them; unpacked only. The routes
     around them are the static path's."""
-
-    group_api = "StatelessProcessGroup + PyNcclCommunicator"
 
     def open_group(self) -> Any:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator

@@ -631,7 +631,12 @@ def test_calls_in_flight_end_together_or_are_left_behind(monkeypatch, emitted):
     wait for a peer still blocked (left behind, named); a call past the deadline too."""
     script = emitted("nccl", *STATIC)
     monkeypatch.setattr(script, "GRACE_S", 0.2)
-    assert script.in_flight(5, "cpu", ("a", lambda: 1), ("b", lambda: 2)) == [1, 2]
+
+    def in_flight(timeout, *calls):  # the script's sender's steps, with this deadline
+        return script.NcclSender(None, packed=False, api="static", device="cpu", world_size=2,
+                                 timeout=timeout).steps(*calls)
+
+    assert in_flight(5, ("a", lambda: 1), ("b", lambda: 2)) == [1, 2]
     release = threading.Event()
 
     def fail():
@@ -640,13 +645,13 @@ def test_calls_in_flight_end_together_or_are_left_behind(monkeypatch, emitted):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="^nccl: still blocked after http failed; that "
                                            "failure was: HTTP 500$"):
-        script.in_flight(60, "cpu", ("http", fail), ("nccl", release.wait))
+        in_flight(60, ("http", fail), ("nccl", release.wait))
     assert time.monotonic() - t0 < 10  # the failure ended the wait, not the deadline
     assert [t.name for t in script.LEFT_BEHIND] == ["nccl"]
     with pytest.raises(ValueError, match="HTTP 500"):  # the other one ended: its own error
-        script.in_flight(5, "cpu", ("http", fail), ("nccl", lambda: None))
+        in_flight(5, ("http", fail), ("nccl", lambda: None))
     with pytest.raises(TimeoutError, match="^stuck: not done within 0s$"):
-        script.in_flight(0.3, "cpu", ("stuck", release.wait))
+        in_flight(0.3, ("stuck", release.wait))
     assert [t.name for t in script.LEFT_BEHIND] == ["nccl", "stuck"]
     release.set()
 

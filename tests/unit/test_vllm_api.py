@@ -247,28 +247,34 @@ def test_send_result_shape():
 
 # --------------------------------------------------------------------------- NCCL plumbing
 
-def test_nccl_step_returns_and_raises():
-    from harness.portable.steps import in_flight
+def _steps(timeout: float, watch):
+    """The shared NCCL sender's ``steps`` on the CPU, watching the harness's client ``watch``."""
+    from harness.portable.send_nccl import NcclSender
 
+    sender = NcclSender(watch, packed=False, api="static", device="cpu", world_size=2,
+                        timeout=timeout)
+    sender.watch = watch
+    return sender.steps
+
+
+def test_nccl_step_returns_and_raises():
     rc = vllm_api.RecordingClient(FakeServerClient())
-    assert in_flight(5, "cpu", ("add", lambda: 1 + 1), watch=rc) == [2]
+    assert _steps(5, rc)(("add", lambda: 1 + 1)) == [2]
 
     def boom():
         raise ValueError("trainer side broke")
 
     with pytest.raises(ValueError, match="trainer side broke"):
-        in_flight(5, "cpu", ("boom", boom), watch=rc)
+        _steps(5, rc)(("boom", boom))
 
 
 def test_nccl_step_times_out_naming_the_step():
-    from harness.portable.steps import in_flight
-
     rc = vllm_api.RecordingClient(FakeServerClient())
     never = threading.Event()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"NCCL rendezvous: not done within 1s \(HTTP "
                                            r"calls so far: none\)"):
-        in_flight(1, "cpu", ("NCCL rendezvous", never.wait), watch=rc)
+        _steps(1, rc)(("NCCL rendezvous", never.wait))
     assert time.monotonic() - t0 < 5
     never.set()
 
@@ -276,9 +282,9 @@ def test_nccl_step_times_out_naming_the_step():
 def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
     """vLLM's trainer engine calls /update_weights on a thread of its own: its failure,
     seen through the client, ends the wait for a broadcast that will never be met."""
-    from harness.portable import steps
+    from harness.portable import send_nccl
 
-    monkeypatch.setattr(steps, "GRACE_S", 0.2)
+    monkeypatch.setattr(send_nccl, "GRACE_S", 0.2)
     rc = vllm_api.RecordingClient(FakeServerClient(fail_on="update"))
     never = threading.Event()
     with pytest.raises(RuntimeError, match="HTTP 500"):
@@ -286,16 +292,15 @@ def test_nccl_step_stops_waiting_when_the_http_side_fails(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"broadcast: still blocked 0s after /update_weights "
                                            r"failed.*HTTP 500"):
-        steps.in_flight(60, "cpu", ("broadcast", never.wait), watch=rc)
+        _steps(60, rc)(("broadcast", never.wait))
     assert time.monotonic() - t0 < 5
     never.set()
 
 
 def test_the_harness_nccl_sender_names_a_stuck_step_as_its_own_error(monkeypatch):
     """The shared sender's waits surface from the harness's Sender as NcclSendError."""
+    from harness.portable.send_nccl import StepTimeout
     from harness.transfer import nccl
-
-    from harness.portable.steps import StepTimeout
 
     with pytest.raises(nccl.NcclSendError, match="not done within") as e:
         with nccl._as_send_error():

@@ -7,10 +7,10 @@ imported by the tests, shipped as package data). A script holds only its scenari
 code:
 
 * the portable modules: the engine's ``send_<engine>`` first (what a maintainer reads),
-  ``trainer_api`` for NCCL and IPC, ``steps`` for NCCL, ``bucketing`` for
-  shm, ``corrupt`` for a deliberate corruption, ``recipes`` for a zoo model, ``base``; each
-  put, without its imports, where the template marks the place, under a comment that
-  names the module and holds the first paragraph of its docstring;
+  ``trainer_api`` for NCCL and IPC, ``bucketing`` for shm, ``corrupt`` for a deliberate
+  corruption, ``recipes`` for a zoo model, ``base``; each put, without its imports, where the
+  template marks the place, under a comment that names the module and holds the first
+  paragraph of its docstring;
 * their imports and the template's merged into one block: ``harness`` and ``__future__``
   imports dropped (the code is in the file now; vLLM needs Python 3.10+, which evaluates
   every annotation here), names the script does not use dropped, the standard library's
@@ -22,7 +22,7 @@ code:
   of the NAMEs: an engine (``nccl``, ``ipc``, ``shm``), a trainer API (``factory``,
   ``static``: an NCCL or IPC script holds one, the installed vLLM's unless
   ``--trainer-api`` names it), a model source (``zoo``, ``path``, ``hub``,
-  ``smollm2``), ``steps``, ``gpu`` or ``cpu`` (where the server runs), ``corrupt`` and
+  ``smollm2``), ``gpu`` or ``cpu`` (where the server runs), ``corrupt`` and
   ``corrupt_<kind>``; ``template`` (what only the template itself does) and ``harness``
   (what only the harness asks of a portable module) are never needed; the marker lines
   always go;
@@ -318,8 +318,6 @@ def needs(scenario: dict[str, Any]) -> set[str]:
              "gpu" if scenario.get("server_gpus") else "cpu"}
     if scenario.get("trainer_api"):
         found.add(scenario["trainer_api"])
-    if "steps" in portable_modules(scenario):
-        found.add("steps")
     if scenario.get("corrupt"):
         found |= {"corrupt", f"corrupt_{scenario['corrupt']}"}
     return found
@@ -333,8 +331,6 @@ def portable_modules(scenario: dict[str, Any]) -> list[str]:
     mods = [f"send_{engine}"]
     if engine in ("nccl", "ipc"):
         mods.append("trainer_api")
-    if engine == "nccl":
-        mods.append("steps")  # IPC calls only the client's timed routes, NCCL waits on peers
     if engine == "shm":
         mods.append("bucketing")
     if scenario.get("corrupt"):

@@ -72,9 +72,8 @@ from harness.portable.base import Unusable, free_port, say
 from harness.portable.corrupt import corrupt_weights
 from harness.portable.recipes import build_smollm2, build_tiny_model
 from harness.portable.send_ipc import json_safe_update_info, send_ipc
-from harness.portable.send_nccl import send_nccl
+from harness.portable.send_nccl import LEFT_BEHIND, send_nccl
 from harness.portable.send_shm import send_shm, setup_shm
-from harness.portable.steps import LEFT_BEHIND
 from harness.portable.trainer_api import check_trainer_api
 
 # -- scenario: data written by `harness repro --emit` --
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     print(why + (f"\n\nREPRODUCED: the verdict is {verdict!r}, as expected." if ok else
                  f"\n\nNOT REPRODUCED: the verdict is {verdict!r}, expected {args.expect!r}."),
           flush=True)
-    # [region steps]
+    # [region nccl]
     if any(t.is_alive() for t in LEFT_BEHIND):  # blocked in NCCL: would keep Python from exiting
         os._exit(0 if ok else 1)
     # [end]
