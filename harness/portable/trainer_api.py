@@ -38,8 +38,7 @@ def engine_module(engine: str):  # vLLM's, or Unusable naming why it cannot be i
 
 
 def factory_for(engine: str):
-    """vLLM's WeightTransferTrainerFactory where it takes ``engine``, else None (0.26's
-    takes (backend, config, init_info) and registers no engine)."""
+    """vLLM's WeightTransferTrainerFactory if it takes ``engine`` (0.26's does not), else None."""
     try:
         factory = _wt("factory").WeightTransferTrainerFactory
     except (ImportError, AttributeError):
@@ -74,8 +73,7 @@ def trainer_api(engine: str) -> str:
 
 
 def check_trainer_api(engine: str, api: str) -> None:
-    """Before the server starts: one line where the release needs the other API (a release
-    with the factory API for ``engine`` needs it)."""
+    """Before the server starts: one line where this release needs the other trainer API."""
     # [region static]
     engine_module(engine)  # importable (vLLM 0.26's IPC engine imports ray)
     # [end]

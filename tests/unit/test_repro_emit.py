@@ -31,9 +31,9 @@ from harness.transfer import shm
 
 ROOT = Path(__file__).resolve().parents[2]
 STDLIB_AND_VLLM_DEPS = {
-    "__future__", "argparse", "ast", "base64", "dataclasses", "functools", "importlib",
-    "inspect", "json", "math", "os", "pickle", "shutil", "signal", "socket", "subprocess",
-    "sys", "tempfile", "threading", "time", "pathlib", "typing",
+    "__future__", "argparse", "ast", "base64", "contextlib", "dataclasses", "functools",
+    "importlib", "inspect", "json", "math", "os", "pickle", "shutil", "signal", "socket",
+    "subprocess", "sys", "tempfile", "threading", "time", "pathlib", "typing",
     # vLLM and what it installs
     "requests", "torch", "transformers", "tokenizers", "safetensors",
 }

