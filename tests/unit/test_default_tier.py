@@ -5,10 +5,9 @@ twins may move to ``--harness-depth full``; a function may not drop out of CI.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from child_pytest import H200_HOST
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTED = ROOT / "tests" / "default_tier.txt"
@@ -19,20 +18,20 @@ def listed() -> list[str]:
             if line.strip() and not line.startswith("#")]
 
 
-def collected_functions() -> set[str]:
-    """``file::function`` of every test the default selection collects, on a host
-    without GPUs whatever this one has."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
-    env.update(CUDA_VISIBLE_DEVICES="", HARNESS_REPORT_PROBES="0")
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                        "-p", "no:cacheprovider", "tests", "--ignore=tests/unit"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+def functions(nodeids: list[str]) -> set[str]:
+    return {n.split("[", 1)[0] for n in nodeids}
+
+
+def collected_functions(child_pytest) -> set[str]:
+    """``file::function`` of every test outside tests/unit that the default selection
+    collects, on a host without GPUs whatever this one has."""
+    r = child_pytest.cpu_default()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return {line.split("[", 1)[0] for line in r.stdout.splitlines() if "::" in line}
+    return functions([n for n in r.nodeids() if not n.startswith("tests/unit/")])
 
 
-def test_every_listed_function_is_in_the_default_tier():
-    got = collected_functions()
+def test_every_listed_function_is_in_the_default_tier(child_pytest):
+    got = collected_functions(child_pytest)
     missing = [f for f in listed() if f not in got]
     assert not missing, (f"{len(missing)} test function(s) of the default tier are no longer "
                          f"collected on a host without GPUs: {missing[:10]}")
@@ -43,24 +42,20 @@ def test_the_list_names_no_function_twice():
     assert len(names) == len(set(names)) and len(names) >= 123, len(names)
 
 
-def gpu_functions(depth: str) -> set[str]:
-    """``file::function`` of what ``-k "ipc and not smollm2"`` collects for one H200 (the
-    GPU CI selection, planned for that host) at ``depth``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
-    env.update(HARNESS_REPORT_PROBES="0")
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                        "-p", "no:cacheprovider", "-k", "ipc and not smollm2",
-                        "--harness-plan-host", "gpus=1,cores=16,gpu_memory_gib=139,ram_gib=128",
-                        "--harness-depth", depth],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+def gpu_selection(child_pytest, *depth: str) -> list[str]:
+    """What ``-k "ipc and not smollm2"`` collects for one H200 (the GPU CI selection,
+    planned for that host) at ``--harness-depth`` ``depth``, or at the default without."""
+    r = child_pytest("--harness-plan", "--harness-plan-host", H200_HOST,
+                     "-k", "ipc and not smollm2", *depth)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return {line.split("[", 1)[0] for line in r.stdout.splitlines() if "::" in line}
+    return r.nodeids()
 
 
-def test_quick_depth_on_a_gpu_keeps_every_test_function_of_full_depth():
+def test_quick_depth_on_a_gpu_keeps_every_test_function_of_full_depth(child_pytest):
     """On GPUs quick depth (the default) trims the architecture sweep's cases, never a test
     function: every function the GPU CI selection runs at full depth it runs at quick."""
-    full, quick = gpu_functions("full"), gpu_functions("quick")
-    missing = sorted(full - quick)
+    full, quick = gpu_selection(child_pytest, "--harness-depth", "full"), gpu_selection(child_pytest)
+    assert len(quick) < len(full), "the default depth trims no case: not quick"
+    missing = sorted(functions(full) - functions(quick))
     assert not missing, f"{len(missing)} function(s) only at full depth on a GPU: {missing[:10]}"
-    assert len(quick) >= 120, len(quick)
+    assert len(functions(quick)) >= 120, len(functions(quick))

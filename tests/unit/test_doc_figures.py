@@ -5,10 +5,7 @@ hands. (Times measured on a loaded host cannot be checked; counts can.)"""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,43 +25,29 @@ def test_reports_readme_counts_match_the_committed_reports():
         assert stated == {k: summary.get(k, 0) for k in stated}, name
 
 
-def _collected(*args: str) -> int:
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                        "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env=dict(os.environ, HARNESS_REPORT_PROBES="0"))
-    m = re.search(r"(\d+)(?:/\d+)? tests? collected", r.stdout)
-    assert m, r.stdout[-2000:] + r.stderr[-2000:]
-    return int(m.group(1))
-
-
-def test_the_unit_test_count_in_the_readme_is_current():
+def test_the_unit_test_count_in_the_readme_is_current(child_pytest):
     """The README's `pytest tests/unit` row states how many tests it runs; within 5%
-    of what is collected today (the suite grows, the figure follows)."""
+    of what is collected today (the suite grows, the figure follows): the default
+    selection's tests under tests/unit, which need no server and so no host."""
     text = (ROOT / "README.md").read_text()
     m = re.search(r"\| `pytest tests/unit` \|[^|]*\|[^|(]*\((\d+) tests", text)
     assert m, "the README's tests/unit row is gone"
-    stated, now = int(m.group(1)), _collected("tests/unit")
+    r = child_pytest.cpu_default()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stated, now = int(m.group(1)), len(r.nodeids("tests/unit/"))
     assert abs(stated - now) <= 0.05 * now, (stated, now)
     layout = (ROOT / "docs" / "layout.md").read_text()
     assert "under a minute" not in layout
 
 
-def test_the_readme_two_gpu_nccl_plan_figures_are_the_plan():
+def test_the_readme_two_gpu_nccl_plan_figures_are_the_plan(child_pytest):
     """The README's 2-GPU `-k "nccl and not smollm2"` row (tests, servers) is what the
     planner makes of that selection for the README's host: recomputed, not trusted."""
     text = (ROOT / "README.md").read_text()
     m = re.search(r'\| `-k "nccl and not smollm2"` \| 2 x H200 \| planned: (\d+) tests on '
                   r'(\d+) servers', text)
     assert m, "the README's 2-GPU nccl row is gone"
-    out = ROOT / ".harness-cache" / "doc-figures-nccl-plan.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-k", "nccl and not smollm2",
-                        "--harness-plan", "--harness-plan-host", "gpus=2,cores=32,ram_gib=256",
-                        "-q", "-p", "no:cacheprovider", f"--harness-report={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, HARNESS_REPORT_PROBES="0"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    plan = json.loads(out.read_text())["plan"]
+    plan = child_pytest.plan("gpus=2,cores=32,ram_gib=256", "-k", "nccl and not smollm2")
     assert (int(m.group(1)), int(m.group(2))) == (plan["tests"], len(plan["servers"])), (
         "README states", m.group(0), "the plan today", plan["tests"], len(plan["servers"]))
 

@@ -53,12 +53,10 @@ def test_the_gpu_layouts_need_two_gpus_and_keep_the_trainer_on_the_cpu():
     assert not set(layouts.DEFAULT_LAYOUTS) & {"cpu-dp2", "cpu-pp2", "2gpu-dp2", "2gpu-pp2"}
 
 
-def test_a_two_gpu_host_plans_both_gpu_layouts_and_the_cpu_one(tmp_path):
+def test_a_two_gpu_host_plans_both_gpu_layouts_and_the_cpu_one(child_pytest):
     """tests/test_data_parallel.py planned for 2 x H200: one server per layout that can
     run there (cpu-pp2's cases are skipped at collection, so it plans none)."""
-    from test_plan import _plan_of
-
-    plan = _plan_of(tmp_path, "gpus=2,cores=32,ram_gib=256", "tests/test_data_parallel.py")
+    plan = child_pytest.plan("gpus=2,cores=32,ram_gib=256", "tests/test_data_parallel.py")
     configs = sorted(s["config"] for s in plan["servers"])
     assert len(configs) == 3 and plan["restarts"] == [], configs
     assert sum("gpu0,1 tp=1 dp=2" in c for c in configs) == 1

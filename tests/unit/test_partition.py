@@ -3,65 +3,39 @@ no server in two shards, the shards' estimated costs close to each other.
 
 The needs are the real ones: a pytest run of this repository plans the GPU selections
 for a host it does not have (--harness-plan --harness-plan-host) with --harness-shard,
-and a small plugin hands back the needs the shard plugin cut (harness.pytest.sharding.SHARDS)
-and the tests the shard kept. Collection only: no server starts here.
+and hands back the needs the shard plugin cut (harness.pytest.sharding.SHARDS) and the
+tests the shard kept (child_pytest). Collection only: no server starts here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import pickle
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from child_pytest import H200_HOST
 from harness.run import durations, partition
 from harness.run import plan as P
 from harness.vllm.server import ServerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-
-DUMP = """
-import os, pickle
-import pytest
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    from harness.pytest import sharding
-    bins, needs, settings = session.config.stash[sharding.SHARDS]
-    with open(os.environ["NEEDS_OUT"], "wb") as f:
-        pickle.dump({"needs": needs, "kept": [it.nodeid for it in session.items]}, f)
-"""
-
 SELECTIONS = {
     "1gpu-ipc": ("ipc and not smollm2", P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128),
-                 "gpus=1,cores=16,gpu_memory_gib=139,ram_gib=128", (2, 3)),
+                 H200_HOST, (2, 3)),
     "2gpu-nccl-or-ipc": ("nccl or ipc", P.Host(gpus=2, cores=32, gpu_memory_gib=139, ram_gib=256),
                          "gpus=2,cores=32,gpu_memory_gib=139,ram_gib=256", (3, 4)),
 }
 
 
 @pytest.fixture(scope="module", params=list(SELECTIONS))
-def selection(request, tmp_path_factory):
+def selection(request, child_pytest):
     keyword, host, spec, (k, n) = SELECTIONS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    (tmp / "needs_dump.py").write_text(DUMP)
-    env = dict(os.environ, HARNESS_REPORT_PROBES="0", NEEDS_OUT=str(tmp / "needs.pkl"),
-               PYTHONPATH=os.pathsep.join([str(tmp), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for name in ("HARNESS_SHARD", "HARNESS_PLAN_HOST", "HARNESS_GPUS"):
-        env.pop(name, None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "needs_dump", "--harness-plan", "--harness-plan-host", spec,
-                        "-k", keyword, "--harness-shard", f"{k}/{n}", "-n", "4"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    r = child_pytest("--harness-plan", "--harness-plan-host", spec, "-k", keyword,
+                     "--harness-shard", f"{k}/{n}", "-n", "4")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    got = pickle.loads((tmp / "needs.pkl").read_bytes())
-    return {"needs": got["needs"], "kept": got["kept"], "host": host, "k": k, "n": n,
-            "stdout": r.stdout}
+    assert r.needs is not None, "the shard plugin kept no needs"
+    return {"needs": r.needs, "kept": [nodeid for nodeid, _ in r.items], "host": host, "k": k,
+            "n": n, "stdout": r.stdout}
 
 
 def _cost(b: list[partition.Group]) -> float:

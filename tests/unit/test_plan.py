@@ -6,20 +6,15 @@ this host, whatever it has (--harness-plan-host)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
+from child_pytest import CPU_HOST, H200_HOST, NO_GPU
 from harness.run import plan as P
 from harness.run.pool import ServerPool, State
 from harness.vllm.server import ServerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=141, ram_gib=128)
 
 
@@ -30,26 +25,12 @@ def _cfg(model="llama", dtype="float32", load="dummy"):
 
 # ----------------------------------------------------------------------------- the real selection
 
-def _plan_of(tmp_path, host: str, *args: str) -> dict:
-    out = tmp_path / "plan.json"
-    env = dict(os.environ, HARNESS_REPORT_PROBES="0")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "--harness-plan", "--harness-plan-host", host,
-                        "--harness-report", str(out), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "server plan for" in r.stdout and "passed" not in r.stdout, r.stdout[-2000:]
-    rep = json.loads(out.read_text())
-    assert rep["tests"] == [], "a plan runs nothing"
-    return rep["plan"]
-
-
 @pytest.mark.parametrize("host,selection", [
-    ("gpus=1,cores=16,ram_gib=128", "ipc and not smollm2"),
+    (H200_HOST, "ipc and not smollm2"),
     ("gpus=2,cores=32,ram_gib=256", "nccl or ipc"),
 ], ids=["1gpu-k-ipc", "2gpu-k-nccl-or-ipc"])
-def test_the_gpu_selections_plan_no_restart(tmp_path, host, selection):
-    plan = _plan_of(tmp_path, host, "-k", selection)
+def test_the_gpu_selections_plan_no_restart(child_pytest, host, selection):
+    plan = child_pytest.plan(host, "-k", selection)
     assert plan["restarts"] == []
     configs = [s["config"] for s in plan["servers"]]
     assert len(configs) == len(set(configs)) == plan["starts"], "a configuration planned twice"
@@ -218,14 +199,14 @@ def test_every_restart_is_recorded_with_its_reason(fake_pool):
     assert pool.started[-1]["unplanned"] == "not in the plan; started for t5"
 
 
-def test_a_host_without_gpus_plans_the_quick_depth_unless_told(tmp_path):
+def test_a_host_without_gpus_plans_the_quick_depth_unless_told(child_pytest):
     """On CPU the default selection runs llama in every dimension, another
     architecture only where a test is pinned to it (float32, no twin), and no
     graph-mode server; --harness-depth full brings back the whole sweep. (The CPU CI
     budget rests on this.)"""
-    host = "gpus=0,cores=2,ram_gib=24"
-    quick = [s["config"] for s in _plan_of(tmp_path, host)["servers"]]
-    full = [s["config"] for s in _plan_of(tmp_path, host, "--harness-depth", "full")["servers"]]
+    quick = [s["config"] for s in child_pytest.plan(CPU_HOST, env=NO_GPU)["servers"]]
+    full = [s["config"] for s in child_pytest.plan(CPU_HOST, "--harness-depth", "full",
+                                                   env=NO_GPU)["servers"]]
     assert not any("mode=graphs" in c for c in quick)
     assert any("mode=graphs" in c for c in full)
     others = [c for c in quick if not c.startswith(("llama-", "sized-"))
@@ -236,8 +217,8 @@ def test_a_host_without_gpus_plans_the_quick_depth_unless_told(tmp_path):
     assert any(c.startswith("opt-") and "bfloat16" in c for c in full)
     assert set(quick) < set(full)
     # what the user names is run: a model named on the command line is swept again
-    named = [s["config"] for s in _plan_of(tmp_path, host, "--vllm-model", "opt",
-                                            "tests/test_parity.py")["servers"]]
+    named = [s["config"] for s in child_pytest.plan(CPU_HOST, "--vllm-model", "opt",
+                                                    "tests/test_parity.py", env=NO_GPU)["servers"]]
     assert any("bfloat16" in c for c in named)
 
 

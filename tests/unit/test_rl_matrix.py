@@ -6,11 +6,7 @@ the README are the table's."""
 from __future__ import annotations
 
 import ast
-import functools
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,18 +18,6 @@ STATUSES = ("covered", "partly", "missing", "GPU, next visit", "being built (iss
 HOSTS = {"cpu": None, "1gpu": "gpus=1,cores=16,ram_gib=128",
          "2gpu": "gpus=2,cores=32,ram_gib=256", "3gpu": "gpus=3,cores=48,ram_gib=384"}
 TEST = re.compile(r"^`(tests/[\w/]+\.py)::(\w+)`$")
-
-# Collects in a child pytest and prints each item with whether a skip mark is on it.
-COLLECT = """
-import sys, pytest
-class P:
-    def pytest_collection_finish(self, session):
-        for it in session.items:
-            skip = any(m.name == "skip" for m in it.iter_markers())
-            print("ITEM", it.nodeid, "skip" if skip else "run")
-sys.exit(pytest.main(sys.argv[1:], plugins=[P()]))
-"""
-
 
 def rows(text: str | None = None) -> list[dict]:
     text = DOC.read_text() if text is None else text
@@ -68,27 +52,23 @@ def named_files() -> tuple[str, ...]:
     return tuple(sorted({m.group(1) for r in rows() if (m := TEST.match(r["test"]))}))
 
 
-@functools.lru_cache(maxsize=None)
-def collected(host: str) -> dict[str, str]:
-    """{file::test function: 'run' | 'skip'} collected on ``host`` from every file the
-    table names (one child pytest per host, shared by the tests here)."""
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *named_files()]
-    if HOSTS[host] is not None:
-        args += ["-k", "ipc"] if host == "1gpu" else []
-        args += ["--harness-plan-host", HOSTS[host]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", COLLECT, *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode in (0, 5), f"collection for {host} failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+def collected(child_pytest, host: str) -> dict[str, str]:
+    """{file::test function: 'run' | 'skip'} collected on ``host``: for cpu, the default
+    selection on the CPU CI's host; else from every file the table names (one child
+    pytest per host, shared by the tests that ask)."""
+    if HOSTS[host] is None:
+        r = child_pytest.cpu_default()
+    else:
+        r = child_pytest("--collect-only", *named_files(),
+                         *(["-k", "ipc"] if host == "1gpu" else []),
+                         "--harness-plan-host", HOSTS[host])
+    assert r.returncode in (0, 5), f"collection for {host} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
     out: dict[str, str] = {}
-    for line in p.stdout.splitlines():
-        if line.startswith("ITEM "):
-            _, nodeid, mark = line.split(" ")
-            name = nodeid.split("::", 1)[1].split("[", 1)[0]
-            key = nodeid.split("::", 1)[0] + "::" + name
-            if out.get(key) != "run":
-                out[key] = mark
+    for nodeid, skip in r.items:
+        name = nodeid.split("::", 1)[1].split("[", 1)[0]
+        key = nodeid.split("::", 1)[0] + "::" + name
+        if out.get(key) != "run":
+            out[key] = "skip" if skip else "run"
     return out
 
 
@@ -125,9 +105,9 @@ def _named(host: str, statuses: tuple[str, ...]) -> list[tuple[dict, str]]:
             if r["host"] == host and r["status"] in statuses and TEST.match(r["test"])]
 
 
-def test_cpu_rows_are_collected_and_run_in_the_default_cpu_selection():
+def test_cpu_rows_are_collected_and_run_in_the_default_cpu_selection(child_pytest):
     named = _named("cpu", ("covered", "partly"))
-    got = collected("cpu")
+    got = collected(child_pytest, "cpu")
     for r, m in named:
         key = f"{m.group(1)}::{m.group(2)}"
         assert got.get(key) == "run", (f"row {r['n']}: {key} is "
@@ -136,11 +116,11 @@ def test_cpu_rows_are_collected_and_run_in_the_default_cpu_selection():
 
 
 @pytest.mark.parametrize("host", ["1gpu", "2gpu", "3gpu"])
-def test_gpu_rows_are_collected_on_their_host(host):
+def test_gpu_rows_are_collected_on_their_host(child_pytest, host):
     named = _named(host, ("covered", "partly", "GPU, next visit"))
     if not named:
         pytest.skip(f"no {host} rows")
-    got = collected(host)
+    got = collected(child_pytest, host)
     for r, m in named:
         key = f"{m.group(1)}::{m.group(2)}"
         assert got.get(key) == "run", (f"row {r['n']}: {key} is "
@@ -148,10 +128,10 @@ def test_gpu_rows_are_collected_on_their_host(host):
                                        f"{host} host ({HOSTS[host]}{', -k ipc' if host == '1gpu' else ''})")
 
 
-def test_gpu_rows_do_not_run_on_a_cpu_host():
+def test_gpu_rows_do_not_run_on_a_cpu_host(child_pytest):
     named = [(r, m) for h in ("1gpu", "2gpu", "3gpu")
              for r, m in _named(h, ("GPU, next visit",))]
-    got = collected("cpu")
+    got = collected(child_pytest, "cpu")
     for r, m in named:
         key = f"{m.group(1)}::{m.group(2)}"
         assert got.get(key) != "run", f"row {r['n']}: {key} would run on a CPU host"
