@@ -2,59 +2,67 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from harness.vllm import memory_lock
 
 HOLD = """
-import sys, time
+import sys
 from pathlib import Path
 from harness.vllm import memory_lock
 with memory_lock.held({exclusive}, "test", path=Path(sys.argv[1])) as got:
     print("held" if got else "not held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    sys.stdin.read()   # until the test lets go
 """
 
+BOUND_S = 10.0   # beyond every bounded wait here, however busy the host
+LET_GO_S = 2.0   # a sleep asked beside a start waits at least this long for it
 
-HOLD_S = 10.0  # how long the other process holds the lock: long beside a busy host's delays
 
-
-def _holder(path, exclusive: bool, seconds: float) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", HOLD.format(exclusive=exclusive), str(path),
-                          str(seconds)], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "held"
-    return p
+@contextlib.contextmanager
+def _held_elsewhere(path, exclusive: bool):
+    """Another process holds the lock until the block ends, it is let go (the callable
+    yielded) or BOUND_S have passed: a test waits out no longer a hold than it needs,
+    and a wait without a bound still ends, and fails, at BOUND_S."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD.format(exclusive=exclusive), str(path)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    deadline = threading.Timer(BOUND_S, p.stdin.close)  # unbuffered: closed once, from any thread
+    try:
+        assert p.stdout.readline().strip() == b"held"
+        deadline.start()
+        yield p.stdin.close
+    finally:
+        deadline.cancel()
+        p.stdin.close()
+        p.wait(timeout=60)
 
 
 def test_starts_share_the_lock_and_a_sleep_waits_for_them(tmp_path):
     path = tmp_path / "gpu-memory.lock"
-    start = _holder(path, exclusive=False, seconds=HOLD_S)   # a server start elsewhere
-    try:
-        with memory_lock.held(False, "another start", path=path, wait_s=HOLD_S / 2) as got:
+    with _held_elsewhere(path, exclusive=False) as let_go:   # a server start elsewhere
+        with memory_lock.held(False, "another start", path=path, wait_s=BOUND_S / 2) as got:
             assert got, "a start waited for another start"
         t0 = time.monotonic()
+        threading.Timer(LET_GO_S, let_go).start()
         with memory_lock.held(True, "a sleep", path=path, wait_s=60) as got:
             waited = time.monotonic() - t0
         assert got and waited > 1.0, f"a sleep went ahead beside a start ({waited:.2f} s)"
-    finally:
-        start.wait(timeout=60)
 
 
 def test_a_start_waits_for_a_sleep_and_every_wait_is_bounded(tmp_path, caplog):
     path = tmp_path / "gpu-memory.lock"
-    sleep = _holder(path, exclusive=True, seconds=HOLD_S)
-    try:
+    with _held_elsewhere(path, exclusive=True):   # a sleep elsewhere
         t0 = time.monotonic()
         with memory_lock.held(False, "a start", path=path, wait_s=0.5) as got:
             waited = time.monotonic() - t0
-        assert not got and 0.4 < waited < HOLD_S, (got, waited)
+        assert not got and 0.4 < waited < BOUND_S, (got, waited)
         assert "going ahead without it" in caplog.text
-    finally:
-        sleep.wait(timeout=60)
 
 
 def test_nothing_is_locked_for_a_cpu_server_or_outside_a_parallel_run(tmp_path, monkeypatch):
@@ -105,8 +113,7 @@ def test_a_wake_shares_the_lock_with_starts_and_only_a_real_sleep_waits(tmp_path
     monkeypatch.setattr(ServerClient, "_call", lambda self, *a, **kw: {})
     client = ServerClient("http://127.0.0.1:9", timeout=1.0)
     monkeypatch.setattr(memory_lock, "WAIT_S", 1.0)
-    start = _holder(path, exclusive=False, seconds=HOLD_S)   # a server start elsewhere
-    try:
+    with _held_elsewhere(path, exclusive=False):   # a server start elsewhere
         waits = {}
         for what, call in (("wake", lambda: client.wake_up()),
                            ("sleep level 0", lambda: client.sleep(level=0)),
@@ -116,8 +123,6 @@ def test_a_wake_shares_the_lock_with_starts_and_only_a_real_sleep_waits(tmp_path
             waits[what] = time.monotonic() - t0
         assert waits["wake"] < 0.5 and waits["sleep level 0"] < 0.5, waits
         assert waits["sleep level 1"] >= 0.9, f"a sleep went ahead beside a start: {waits}"
-    finally:
-        start.wait(timeout=60)
 
 
 def test_a_sleep_is_not_starved_by_starts_that_keep_overlapping(tmp_path):
