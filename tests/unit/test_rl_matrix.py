@@ -48,18 +48,21 @@ def functions_in(path: Path) -> set[str]:
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def named_files() -> tuple[str, ...]:
-    return tuple(sorted({m.group(1) for r in rows() if (m := TEST.match(r["test"]))}))
+def named_files(host: str) -> tuple[str, ...]:
+    """The files the rows of ``host`` name (whether a test is collected is decided test
+    by test, so its file alone collects it as the whole selection does)."""
+    return tuple(sorted({m.group(1) for r in rows()
+                         if r["host"] == host and (m := TEST.match(r["test"]))}))
 
 
 def collected(child_pytest, host: str) -> dict[str, str]:
     """{file::test function: 'run' | 'skip'} collected on ``host``: for cpu, the default
-    selection on the CPU CI's host; else from every file the table names (one child
+    selection on the CPU CI's host; else from the files the host's rows name (one child
     pytest per host, shared by the tests that ask)."""
     if HOSTS[host] is None:
         r = child_pytest.cpu_default()
     else:
-        r = child_pytest("--collect-only", *named_files(),
+        r = child_pytest("--collect-only", *named_files(host),
                          *(["-k", "ipc"] if host == "1gpu" else []),
                          "--harness-plan-host", HOSTS[host])
     assert r.returncode in (0, 5), f"collection for {host} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
