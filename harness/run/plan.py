@@ -169,10 +169,13 @@ def group_key(cfg: ServerConfig) -> tuple:
 def order_key(need: Need | None) -> tuple:
     """Sort key of a test: tests without a server first (they run while the first
     servers start), then by server; within a server the tests that may break it last,
-    and before them each trainer's tests together, never-synced first."""
+    and before them each trainer's tests together, never-synced first, and those that
+    need a disk-loaded twin after the others, so that the server's tests begin while
+    its twin still starts."""
     if need is None:
         return (0,)
-    return (1, group_key(need.server), need.breaks, need.trainer, not need.fresh)
+    return (1, group_key(need.server), need.breaks, need.twin is not None, need.trainer,
+            not need.fresh)
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -115,6 +115,7 @@ class ServerPool:
         self._warm: dict[ServerConfig, list[tuple[TrainerSpec, str]]] = {}
         self._starting: dict[ServerConfig, cf.Future] = {}
         self._booting: dict[ServerConfig, VLLMServer] = {}  # inside start(), for stop_all
+        self._tickets: dict[ServerConfig, int | None] = {}    # places in the start-slot line
         self._ever: set[ServerConfig] = set()
         self._stopped_why: dict[ServerConfig, str] = {}
         self._closed = False
@@ -181,16 +182,19 @@ class ServerPool:
             self.slots.idle(idle)
 
     def _submit(self, cfg: ServerConfig) -> cf.Future:
+        ticket = None
         if self.slots is not None:
             self.slots.idle(False)
-        future = self._starting[cfg] = self._executor.submit(self._start_job, cfg)
+            ticket = self.slots.ticket()   # slots go in the order of the plan
+        future = self._starting[cfg] = self._executor.submit(self._start_job, cfg, ticket)
+        self._tickets[cfg] = ticket
         return future
 
-    def _start_job(self, cfg: ServerConfig) -> VLLMServer:
+    def _start_job(self, cfg: ServerConfig, ticket: int | None = None) -> VLLMServer:
         """A start in the background: the server joins ``servers`` once it is up (or
         its configuration is poisoned), and the next planned start may begin."""
         try:
-            srv = self._start(cfg)
+            srv = self._start(cfg, ticket)
         except ServerError as e:
             with self._lock:
                 self._starting.pop(cfg, None)
@@ -216,7 +220,17 @@ class ServerPool:
         self._start_ahead()
         return srv
 
-    def _start(self, cfg: ServerConfig) -> VLLMServer:
+    def _start(self, cfg: ServerConfig, ticket: int | None = None) -> VLLMServer:
+        try:
+            return self._start_now(cfg, ticket)
+        finally:
+            if ticket is not None:  # a start that ended before its slot leaves the line
+                self.slots.leave(ticket)
+            with self._lock:
+                if self._tickets.get(cfg) == ticket:
+                    self._tickets.pop(cfg, None)
+
+    def _start_now(self, cfg: ServerConfig, ticket: int | None) -> VLLMServer:
         srv = VLLMServer(cfg, log_dir=self.log_dir, start_timeout=self.start_timeout)
         t0 = time.monotonic()
         with self._lock:
@@ -231,7 +245,7 @@ class ServerPool:
         # (10-20 s on 2 cores, which the server's three processes importing one after
         # another leave room for); each takes its trainer's spec once the server is up.
         early = self._early_trainers(cfg)
-        gate = (self.slots.held(cfg.describe()) if self.slots is not None
+        gate = (self.slots.held(cfg.describe(), ticket) if self.slots is not None
                 else contextlib.nullcontext(None))
         try:
             with gate as slot:
@@ -356,6 +370,8 @@ class ServerPool:
                     self._unplanned.setdefault(cfg, user)
                 self._make_room(user)
                 future = self._submit(cfg)
+            if self.slots is not None and self._tickets.get(cfg) is not None:
+                self.slots.hurry(self._tickets[cfg])   # a test waits for it now
         srv = future.result()  # a failed start raises, and its configuration is poisoned
         with self._lock:
             self.servers.setdefault(cfg, srv)

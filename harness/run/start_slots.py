@@ -20,6 +20,12 @@ Slots are ``flock``-ed files in the run's folder: a worker that dies frees its s
 and a pytest run inside a test (with its own folder, or none) takes none of them.
 Every wait is bounded: past ``wait_s`` the start goes ahead without a slot and the
 log says so.
+
+A worker's own starts queue for slots in a line (``ticket``), in the order its pool
+planned them, a start some test waits for now at the front (``hurry``). Left to race
+for the lock files, a worker's three starts on 2 CPU cores took the slot in any order:
+in a CI run the twin went first and the server of the longest chain of tests, planned
+first, waited 209 s for its slot (docs/planning.md, "CPU CI").
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -43,6 +50,33 @@ class StartSlots:
                  wait_s: float = WAIT_S):
         self.folder, self.slots = Path(folder), max(1, slots)
         self.worker, self.workers, self.wait_s = worker, workers, wait_s
+        self._line: list[int] = []   # this worker's tickets waiting for a slot, in turn
+        self._next = 0
+        self._line_lock = threading.Lock()
+
+    def ticket(self) -> int:
+        """A place at the end of this worker's line for a slot."""
+        with self._line_lock:
+            self._next += 1
+            self._line.append(self._next)
+            return self._next
+
+    def hurry(self, ticket: int) -> None:
+        """A test waits for this start now: it goes to the front of the line."""
+        with self._line_lock:
+            if ticket in self._line:
+                self._line.remove(ticket)
+                self._line.insert(0, ticket)
+
+    def leave(self, ticket: int) -> None:
+        """Out of the line (it holds a slot, gave up, or never came): idempotent."""
+        with self._line_lock:
+            if ticket in self._line:
+                self._line.remove(ticket)
+
+    def _first(self, ticket: int) -> bool:
+        with self._line_lock:
+            return bool(self._line) and self._line[0] == ticket
 
     @property
     def own(self) -> int | None:
@@ -72,12 +106,14 @@ class StartSlots:
             pass
 
     @contextlib.contextmanager
-    def held(self, what: str) -> Iterator[dict]:
+    def held(self, what: str, ticket: int | None = None) -> Iterator[dict]:
         """Hold a slot while the block starts a server; yields what the wait was
         (``slot``: its number, or None past ``wait_s``; ``waited``: seconds;
-        ``borrowed``: whether it is another worker's)."""
+        ``borrowed``: whether it is another worker's). ``ticket``: its place in the
+        line (``ticket()``); without one it joins the end of the line."""
         t0 = time.monotonic()
         got: tuple[int, object] | None = None
+        ticket = self.ticket() if ticket is None else ticket
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             deadline = t0 + self.wait_s
@@ -86,7 +122,10 @@ class StartSlots:
                     candidates = list(range(self.slots))
                 else:
                     candidates = [self.own] + self._borrowable()
-                got = self._try(candidates)
+                if self._first(ticket):
+                    got = self._try(candidates)
+                    if got is not None:
+                        self.leave(ticket)   # the next in line may borrow a slot
                 if got is None:
                     if time.monotonic() >= deadline:
                         log.warning("%s: no start slot free after %.0f s; going ahead "
@@ -97,6 +136,7 @@ class StartSlots:
                    "waited": round(time.monotonic() - t0, 3),
                    "borrowed": got is not None and got[0] != self.own}
         finally:
+            self.leave(ticket)
             if got is not None:
                 fcntl.flock(got[1], fcntl.LOCK_UN)
                 got[1].close()

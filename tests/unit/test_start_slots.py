@@ -106,3 +106,67 @@ def test_a_pool_without_slots_starts_as_before(tmp_path, monkeypatch):
     p._closed = True
     assert [s[1] for s in starts] == ["begin", "end"]
     assert "start_slot" not in p.started[0]
+
+
+def _take_in_turn(slots: StartSlots, line, enter_order: list[int]) -> tuple[list, list]:
+    """While the one slot is held, ``line()`` makes tickets and threads ask for the slot
+    with them, entering in ``enter_order`` (indices); returns the tickets and the order
+    in which they got the slot."""
+    got: list[int] = []
+    threads = []
+    with slots.held("holder") as h:
+        assert h["slot"] == 0, h
+        tickets = line()
+        for i in enter_order:
+            def take(t=tickets[i]):
+                with slots.held(f"ticket {t}", t):
+                    got.append(t)
+                    time.sleep(0.05)
+            threads.append(threading.Thread(target=take))
+            threads[-1].start()
+            time.sleep(0.05)   # each is waiting before the next comes
+    for t in threads:
+        t.join(10)
+    return tickets, got
+
+
+def test_a_workers_starts_take_its_slot_in_the_order_of_their_tickets(tmp_path):
+    slots = StartSlots(tmp_path, 1, 0, 1, wait_s=10)
+    tickets, got = _take_in_turn(slots, lambda: [slots.ticket() for _ in range(3)], [2, 1, 0])
+    assert got == tickets
+
+    def hurried():
+        line = [slots.ticket() for _ in range(3)]
+        slots.hurry(line[2])        # a test waits for the last one now
+        return line
+    line, got = _take_in_turn(slots, hurried, [0, 1, 2])
+    assert got == [line[2], line[0], line[1]]
+
+
+def test_a_start_that_never_came_does_not_hold_up_the_line(tmp_path):
+    slots = StartSlots(tmp_path, 1, 0, 1, wait_s=10)
+    gone, waiting = slots.ticket(), slots.ticket()
+    slots.leave(gone)               # its start failed before it asked for a slot
+    with slots.held("next", waiting) as s:
+        assert s["slot"] == 0 and s["waited"] < 1, s
+
+
+def test_a_worker_starts_its_planned_servers_in_plan_order(tmp_path, monkeypatch):
+    """One slot, three planned servers submitted at once: they start in plan order (a
+    CI run on 2 cores, racing for the lock files, started its twin before the server
+    of the longest chain of tests)."""
+    for attempt in range(3):   # a race would show on one of several tries
+        starts: list = []
+        p = _pool(tmp_path, monkeypatch, StartSlots(tmp_path / f"run{attempt}", 1, 0, 1),
+                  starts, 0.15)
+        names = [f"/s{attempt}-{x}" for x in "abc"]
+        try:
+            p.plan([ServerConfig(model=m) for m in names])
+            deadline = time.monotonic() + 20
+            while sum(1 for s in starts if s[1] == "end") < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            p._executor.shutdown(wait=True)
+        finally:
+            p._closed = True
+        assert [m for m, what, _ in starts if what == "begin"] == names, starts
+        assert not p._tickets, p._tickets
