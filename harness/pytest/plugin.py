@@ -84,6 +84,8 @@ class RunState:
     own: set[str] | None = None
     partition: parallel.Partition | None = None
     worker_outputs: dict[str, dict] = dataclasses.field(default_factory=dict)
+    gathered: bool = False              # the controller read the records left in the run's folder
+    record_mark: tuple = ()             # a worker: its pool as its last record saw it
 
 
 STATE = pytest.StashKey[RunState]()
@@ -399,6 +401,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
     if state is not None and state.pool is not None:
         for cfg in state.last_use.get(item.nodeid, []):
             state.pool.release(cfg)
+    if state is not None and hasattr(item.config, "workerinput"):
+        mark = parallel.pool_mark(state)
+        if mark != state.record_mark:  # a record the controller reads if the run is cut short
+            parallel.save_record(item.config, state, final=False)
+            state.record_mark = mark
 
 
 def _session(request: pytest.FixtureRequest, case: Case, pool: ServerPool, *,
@@ -549,6 +556,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.workeroutput.setdefault("harness", {}).update(
             parallel.worker_output(state), said=summary.said_lines(config, state), shortfall=state.shortfall)
     else:
+        parallel.gather_records(config, state, exitstatus == pytest.ExitCode.INTERRUPTED)
         parallel.remove_controller_dir()
     for o in state.worker_outputs.values():  # the controller: what the workers saw
         state.gpu_cases.update(o.get("gpu_cases") or {})
@@ -569,3 +577,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             tr.write_line(f"--harness-require-gpu: {len(state.gpu_cases)} GPU case(s) selected, "
                           "none ran", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is not None and hasattr(config, "workeroutput"):  # all of it, sessionfinish done
+        parallel.save_record(config, state, final=True)

@@ -54,6 +54,7 @@ import pytest
 
 from harness.core import environment
 from harness.pause.openapi import pause_capabilities  # the pause checks' own parse
+from harness.run.parallel import MergedPool, gather_records
 from harness.run.pool import start_seconds_by_mode
 from harness.vllm import capabilities
 
@@ -349,8 +350,6 @@ class ReportPlugin:
 
     def _pool(self):
         if self.state.pool is None and getattr(self.state, "worker_outputs", {}):
-            from harness.run.parallel import MergedPool
-
             return MergedPool(getattr(self.state, "worker_outputs", {}), self.state.t0)
         return self.state.pool
 
@@ -401,6 +400,7 @@ class ReportPlugin:
                 "openapi": self.openapi, "openapi_source": self.openapi_source,
                 "openapi_error": self.openapi_error, "known_issues": self.known_issues()})
             return
+        gather_records(self.config, self.state, exitstatus == pytest.ExitCode.INTERRUPTED)
         if not any(rec.ran() for rec in self.records.values()):
             earlier = earlier_run_tests(self.path)
             if earlier:  # a collect-only or plan run must not blank a real run's report
@@ -520,6 +520,7 @@ class ReportPlugin:
         """Where the run's time went: server starts (summed and as wall time, which
         differ when servers start side by side), test time, and every sync."""
         pool = self._pool()
+        outputs = getattr(self.state, "worker_outputs", {})
         figures = pool.start_figures() if pool is not None else {
             "servers_started": 0, "start_seconds_sum": 0.0, "start_wall_seconds": 0.0,
             "restarts": 0}
@@ -539,7 +540,10 @@ class ReportPlugin:
                 "servers_planned": planned,
                 "restart_reasons": list(pool.restarts) if pool is not None else [],
                 "resets": list(getattr(pool, "resets", [])),
-                "workers": len(getattr(self.state, "worker_outputs", {})) or None,
+                "workers": len(outputs) or None,
+                # workers whose record is the last one they saved before the run was cut
+                "workers_partial": sorted(w for w, o in outputs.items()
+                                          if o.get("record") == "partial"),
                 # seconds from the session's start (the plugin's configure) until the
                 # pool was made, i.e. collection and planning
                 "pool_made_at": (round(pool.t0 - self.state.t0, 1) if pool is not None

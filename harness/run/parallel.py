@@ -183,6 +183,78 @@ def worker_output(state: Any) -> dict:
     return out
 
 
+RECORD_FILE = "worker-{}.json"  # in the folder: a worker's record, for a run cut short
+GATHER_WAIT_S = 20.0             # an interrupted run's wait for the workers' last records
+
+
+def save_record(config, state: Any, final: bool) -> None:
+    """A worker's record, also written to the run's folder. xdist hands it to the
+    controller only when the worker ends; a run cut short (Ctrl-C, a job's time limit)
+    stops the controller's loop first, and its report lost every server and start. So a
+    worker writes its record after each test that changed its pool (``final`` False) and
+    all of it, the report's part included, once it has ended (``final`` True)."""
+    d, wi = os.environ.get(DIR_ENV), getattr(config, "workerinput", None)
+    if not d or wi is None or not Path(d).is_dir():
+        return
+    out = dict(config.workeroutput.get("harness", {})) if final else worker_output(state)
+    out["record"] = "final" if final else "partial"
+    path = Path(d) / RECORD_FILE.format(wi["workerid"])
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(out, default=str))
+        tmp.replace(path)
+    except OSError:  # the controller's folder went: the run is over
+        pass
+
+
+def pool_mark(state: Any) -> tuple[int, ...]:
+    """What a worker's partial record would change with: its pool's records counted."""
+    pool = state.pool
+    return () if pool is None else (len(pool.started), len(pool.restarts), len(pool.resets),
+                                    len(pool.reaped))
+
+
+def gather_records(config, state: Any, interrupted: bool,
+                   wait_s: float = GATHER_WAIT_S) -> list[str]:
+    """The controller, at its end: the records of the workers it did not hear from, read
+    from the run's folder into ``state.worker_outputs``. An interrupted run waits up to
+    ``wait_s`` for each worker's final record (its servers are being stopped), then takes
+    its last partial one. Returns the workers whose record is partial. Once a run."""
+    d = os.environ.get(DIR_ENV)
+    if hasattr(config, "workerinput") or not d or getattr(state, "gathered", False):
+        return []
+    state.gathered = True
+    n = config.getoption("numprocesses", None)
+    expected = {f"gw{k}" for k in range(n)} if isinstance(n, int) else set()
+    folder = Path(d)
+
+    def read(wid: str) -> dict | None:
+        try:
+            return json.loads((folder / RECORD_FILE.format(wid)).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def missing() -> list[str]:
+        found = {p.name[len("worker-"):-len(".json")] for p in folder.glob("worker-*.json")}
+        return sorted((expected | found) - set(state.worker_outputs))
+
+    deadline = time.monotonic() + (wait_s if interrupted else 0.0)
+    while True:
+        records = {w: read(w) for w in missing()}
+        if all(r is not None and r.get("record") == "final" for r in records.values()) \
+                or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    partial = []
+    for wid, rec in records.items():
+        if rec is None:
+            continue
+        state.worker_outputs[wid] = rec
+        if rec.get("record") != "final":
+            partial.append(wid)
+    return partial
+
+
 # ----------------------------------------------------------------------------- controller side
 
 class MergedPool:

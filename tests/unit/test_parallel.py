@@ -119,3 +119,86 @@ def test_groups_join_servers_that_one_test_links():
                           HOST)
     assert [set(g.servers) for g in gs] == [set(), {a, twin_a}, {b}]
     assert [g.tests for g in gs] == [(3,), (0, 1), (2,)]
+
+
+# ----------------------------------------------------------------------------- a run cut short
+
+def _controller(n: int):
+    config = SimpleNamespace(getoption=lambda name, default=None: n if name == "numprocesses"
+                             else default)
+    return config, SimpleNamespace(worker_outputs={"gw0": {"started": [{"url": "a"}]}},
+                                   gathered=False)
+
+
+def _record(folder, wid, kind, **extra):
+    (folder / parallel.RECORD_FILE.format(wid)).write_text(json.dumps({"record": kind, **extra}))
+
+
+def test_the_controller_reads_the_records_of_workers_it_did_not_hear_from(tmp_path, monkeypatch):
+    """Ctrl-C stops the controller's loop before the workers' records reach it: it reads
+    them from the run's folder, the final one where a worker wrote it, else the last
+    partial one, and never replaces a record a worker sent."""
+    monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
+    config, state = _controller(3)
+    _record(tmp_path, "gw0", "final", started=[])  # sent already: the sent one stands
+    _record(tmp_path, "gw1", "final", started=[{"url": "b"}])
+    _record(tmp_path, "gw2", "partial", started=[{"url": "c"}])
+    assert parallel.gather_records(config, state, interrupted=True, wait_s=0.3) == ["gw2"]
+    assert state.worker_outputs["gw0"] == {"started": [{"url": "a"}]}
+    assert state.worker_outputs["gw1"]["started"] == [{"url": "b"}]
+    assert state.worker_outputs["gw2"]["record"] == "partial"
+    _record(tmp_path, "gw3", "final")
+    assert parallel.gather_records(config, state, interrupted=True) == [], "once a run"
+    assert "gw3" not in state.worker_outputs
+
+
+def test_an_interrupted_controller_waits_for_a_final_record(tmp_path, monkeypatch):
+    """A worker still stopping its servers writes its final record late: an interrupted
+    controller waits for it (up to the bound) rather than taking the partial one."""
+    import threading
+
+    monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
+    config, state = _controller(2)
+    _record(tmp_path, "gw1", "partial")
+    threading.Timer(0.5, lambda: _record(tmp_path, "gw1", "final", started=[{"url": "b"}])).start()
+    assert parallel.gather_records(config, state, interrupted=True, wait_s=10) == []
+    assert state.worker_outputs["gw1"]["record"] == "final"
+
+
+def test_an_interrupted_parallel_run_reports_every_worker(pytester):
+    """End to end, a real ``-n 2`` run interrupted as ci/gpu-run.sh's time limit does it
+    (SIGINT to the process group) while a test runs: the report still has both workers'
+    records (the controller never heard from them)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    for k in range(2):
+        pytester.makepyfile(**{f"test_cut{k}": f"""
+import pathlib, time
+def test_held():
+    pathlib.Path("in{k}").touch()
+    time.sleep(120)
+"""})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2",
+         "--harness-report", "int.json", "-q"], cwd=pytester.path, start_new_session=True,
+        env={**env, "HARNESS_REPORT_PROBES": "0"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any((pytester.path / f"in{k}").exists() for k in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    rep = json.loads((pytester.path / "int.json").read_text())
+    assert rep["timing"]["workers"] == 2, out[-3000:]
+    assert rep["timing"]["workers_partial"] == []
+    assert sorted(rep["plan"]["workers"]) == ["gw0", "gw1"]
