@@ -326,6 +326,9 @@ def pytest_runtestloop(session: pytest.Session):
         yield
     finally:
         if state is not None and state.pool is not None:
+            # every start is known now; stopping GPU servers can outlast the wait of an
+            # interrupted controller, which then reads this record
+            parallel.save_record(session.config, state, final=False)
             try:
                 state.pool.stop_all()
             except ServerError as e:
