@@ -221,7 +221,8 @@ def gather_records(config, state: Any, interrupted: bool,
     ``wait_s`` for each worker's final record (its servers are being stopped), then takes
     its last partial one. Returns the workers whose record is partial. Once a run."""
     d = os.environ.get(DIR_ENV)
-    if hasattr(config, "workerinput") or not d or getattr(state, "gathered", False):
+    if (hasattr(config, "workerinput") or not d or getattr(state, "gathered", False)
+            or not _owned(d)):  # a pytest run inside a worker's test: the folder is not its
         return []
     state.gathered = True
     n = config.getoption("numprocesses", None)
@@ -435,18 +436,20 @@ def remove_controller_dir() -> None:
     must leave it: the workers' GPU-memory lock lives there (it removed it once, and
     every later start and sleep of that run failed)."""
     d = os.environ.get(DIR_ENV)
-    if not d:
-        return
-    try:
-        owner = int((Path(d) / OWNER_FILE).read_text())
-    except (OSError, ValueError):
-        owner = None
-    if owner != os.getpid():
+    if not d or not _owned(d):
         return
     os.environ.pop(DIR_ENV, None)
     import shutil
 
     shutil.rmtree(d, ignore_errors=True)
+
+
+def _owned(d: str) -> bool:
+    """The folder is this process's: it is the run's controller."""
+    try:
+        return int((Path(d) / OWNER_FILE).read_text()) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def controller_dir() -> str:

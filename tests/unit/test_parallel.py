@@ -123,7 +123,11 @@ def test_groups_join_servers_that_one_test_links():
 
 # ----------------------------------------------------------------------------- a run cut short
 
-def _controller(n: int):
+def _controller(n: int, folder=None):
+    if folder is not None:  # the folder is this process's, as the controller's is
+        import os
+
+        (folder / parallel.OWNER_FILE).write_text(str(os.getpid()))
     config = SimpleNamespace(getoption=lambda name, default=None: n if name == "numprocesses"
                              else default)
     return config, SimpleNamespace(worker_outputs={"gw0": {"started": [{"url": "a"}]}},
@@ -139,7 +143,7 @@ def test_the_controller_reads_the_records_of_workers_it_did_not_hear_from(tmp_pa
     them from the run's folder, the final one where a worker wrote it, else the last
     partial one, and never replaces a record a worker sent."""
     monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
-    config, state = _controller(3)
+    config, state = _controller(3, tmp_path)
     _record(tmp_path, "gw0", "final", started=[])  # sent already: the sent one stands
     _record(tmp_path, "gw1", "final", started=[{"url": "b"}])
     _record(tmp_path, "gw2", "partial", started=[{"url": "c"}])
@@ -152,13 +156,25 @@ def test_the_controller_reads_the_records_of_workers_it_did_not_hear_from(tmp_pa
     assert "gw3" not in state.worker_outputs
 
 
+def test_a_pytest_run_inside_a_workers_test_reads_no_record(tmp_path, monkeypatch):
+    """The harness's own tests run pytest inside a worker, which inherits the run's
+    folder: such a run is not the folder's controller and must not take the outer
+    workers' records for its own (it printed their servers as its own once)."""
+    monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
+    (tmp_path / parallel.OWNER_FILE).write_text("1")  # another process's folder
+    config, state = _controller(0)
+    _record(tmp_path, "gw1", "final", started=[{"url": "b"}])
+    assert parallel.gather_records(config, state, interrupted=False) == []
+    assert list(state.worker_outputs) == ["gw0"]
+
+
 def test_an_interrupted_controller_waits_for_a_final_record(tmp_path, monkeypatch):
     """A worker still stopping its servers writes its final record late: an interrupted
     controller waits for it (up to the bound) rather than taking the partial one."""
     import threading
 
     monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
-    config, state = _controller(2)
+    config, state = _controller(2, tmp_path)
     _record(tmp_path, "gw1", "partial")
     threading.Timer(0.5, lambda: _record(tmp_path, "gw1", "final", started=[{"url": "b"}])).start()
     assert parallel.gather_records(config, state, interrupted=True, wait_s=10) == []
