@@ -236,7 +236,8 @@ def gather_records(config, state: Any, interrupted: bool,
             return None
 
     def missing() -> list[str]:
-        found = {p.name[len("worker-"):-len(".json")] for p in folder.glob("worker-*.json")}
+        head, tail = RECORD_FILE.split("{}")
+        found = {p.name[len(head):-len(tail)] for p in folder.glob(RECORD_FILE.format("*"))}
         return sorted((expected | found) - set(state.worker_outputs))
 
     deadline = time.monotonic() + (wait_s if interrupted else 0.0)

@@ -5,6 +5,12 @@ partition keeps every server in one bin (its replicas aside)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -125,8 +131,6 @@ def test_groups_join_servers_that_one_test_links():
 
 def _controller(n: int, folder=None):
     if folder is not None:  # the folder is this process's, as the controller's is
-        import os
-
         (folder / parallel.OWNER_FILE).write_text(str(os.getpid()))
     config = SimpleNamespace(getoption=lambda name, default=None: n if name == "numprocesses"
                              else default)
@@ -171,8 +175,6 @@ def test_a_pytest_run_inside_a_workers_test_reads_no_record(tmp_path, monkeypatc
 def test_an_interrupted_controller_waits_for_a_final_record(tmp_path, monkeypatch):
     """A worker still stopping its servers writes its final record late: an interrupted
     controller waits for it (up to the bound) rather than taking the partial one."""
-    import threading
-
     monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
     config, state = _controller(2, tmp_path)
     _record(tmp_path, "gw1", "partial")
@@ -185,12 +187,6 @@ def test_an_interrupted_parallel_run_reports_every_worker(pytester):
     """End to end, a real ``-n 2`` run interrupted as ci/gpu-run.sh's time limit does it
     (SIGINT to the process group) while a test runs: the report still has both workers'
     records (the controller never heard from them)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     for k in range(2):
         pytester.makepyfile(**{f"test_cut{k}": f"""
 import pathlib, time
