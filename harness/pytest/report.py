@@ -20,7 +20,8 @@ of the session it writes one JSON document:
                   xfailed / xpassed), duration, skip or xfail reason, known-issue id,
                   case fields, metrics merged from ``user_properties``, failure message,
                   ``timing``: seconds per phase (server_wait, reference, before, sync,
-                  after, observe, twin_wait) and ``other``, the rest of its duration
+                  after, observe, twin_wait, lock_wait: a sleep's or a wake's wait
+                  for the GPU-memory lock) and ``other``, the rest of its duration
 ``known_issues``  every entry of the known-issues file and whether it applied here
 ``servers``       the vLLM servers started: config, start seconds, version, log, when
                   (seconds after the pool was made), how many started together, the

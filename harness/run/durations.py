@@ -12,7 +12,8 @@ their start times and commits). Only tests on a server count (those with a case)
 only passed and xfailed ones: a failure may be a hang cut short by its timeout, and
 one such would poison a median. What a test waited for its servers (``server_wait``,
 ``twin_wait`` of its timing) is left out: a start is the server's cost, counted once
-per server by the plan.
+per server by the plan. So is ``lock_wait``, a sleep's or a wake's wait for other
+servers' starts on the same GPU (``harness.vllm.memory_lock``).
 
 ``harness durations REPORT... --kind gpu`` measures a kind again (``update``). The
 figures only steer the plan: what is not measured falls back to a constant, and no
@@ -31,7 +32,7 @@ from typing import Iterable
 PATH = Path(__file__).with_name("durations.json")
 KINDS = ("gpu", "cpu")
 COUNTED = ("passed", "xfailed")
-WAITS = ("server_wait", "twin_wait")
+WAITS = ("server_wait", "twin_wait", "lock_wait")
 FLOOR_SECONDS = 0.1
 
 

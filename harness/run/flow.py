@@ -36,7 +36,7 @@ from harness.vllm.server import ServerConfig, VLLMServer
 # {name: seconds})``), and the report adds what is left of the test's duration as
 # "other". The seed flow's steps are phases of their own.
 PHASES = ("server_wait", "reset", "reference", "before", "sync", "after", "observe",
-          "twin_wait")
+          "twin_wait", "lock_wait")
 # What the report keeps of each sync: the transfer (every sync), and where the sync's
 # wall time went besides it, where the trainer said (a trainer's start or a spare taken
 # over, its CUDA context, building the sender, the trainers dropped before a fresh one
@@ -100,8 +100,18 @@ class SyncSession:
         return srv
 
     def client_for(self, srv: VLLMServer) -> ServerClient:
+        """A client of ``srv`` whose sleeps and wakes report their waits for the
+        GPU-memory lock as phase ``lock_wait``: on one GPU a sleep waits for the other
+        servers' starts, and that is not the test's own time."""
+        record = self.on_record
+
+        def lock_waited(seconds: float) -> None:
+            if record is not None:
+                record("phase", {"lock_wait": seconds})
+
         return ServerClient(srv.url, context=srv.describe_failure, api_key=srv.cfg.api_key,
-                            sleep_frees_memory=srv.cfg.enable_sleep_mode)
+                            sleep_frees_memory=srv.cfg.enable_sleep_mode,
+                            on_lock_wait=lock_waited)
 
     def twin(self, weights_dir: str | Path, *, mode: str | None = None
              ) -> tuple[VLLMServer, ServerClient]:

@@ -78,8 +78,11 @@ class ServerClient:
     def __init__(self, url: str, *, timeout: float = 300.0, model: str | None = None,
                  context: Callable[[], str] | None = None,
                  confirm_timeout: float = STATE_CONFIRM_S, api_key: str | None = None,
-                 sleep_frees_memory: bool | None = None):
+                 sleep_frees_memory: bool | None = None,
+                 on_lock_wait: Callable[[float], None] | None = None):
         self.url = url.rstrip("/")
+        # told the seconds a sleep or a wake waited for the GPU-memory lock (memory_lock)
+        self.on_lock_wait = on_lock_wait
         # False: a server without --enable-sleep-mode, whose /sleep frees nothing (sleep)
         self.sleep_frees_memory = sleep_frees_memory
         self.sleep_retries = 0
@@ -226,7 +229,8 @@ class ServerClient:
         memory. Level 0 only pauses scheduling (nothing is freed or judged)."""
         gpu = str(level) != "0"
         for attempt in range(1, SLEEP_TRIES + 1):
-            with memory_lock.held(True, "POST /sleep", gpu=gpu) as locked:
+            with memory_lock.held(True, "POST /sleep", gpu=gpu,
+                                  on_wait=self.on_lock_wait) as locked:
                 try:
                     return self._call("POST", "/sleep", params={"level": level, **params},
                                       timeout=timeout)
@@ -254,7 +258,7 @@ class ServerClient:
         scheduling resumes once nothing sleeps). Shared, like a start: a wake maps memory
         that another server's sleep would count against itself, and nothing judges a
         wake by the device's memory (``gpu_worker.wake_up``, read in 0.26.0)."""
-        with memory_lock.held(False, "POST /wake_up"):
+        with memory_lock.held(False, "POST /wake_up", on_wait=self.on_lock_wait):
             return self._call("POST", "/wake_up",
                               params={"tags": list(tags)} if tags else None, timeout=timeout)
 

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 DIR_ENV = "HARNESS_XDIST_DIR"   # the parallel run's shared folder (harness.run.parallel)
 WAIT_S = 900.0                  # a start's own limit is about this long
@@ -48,10 +48,12 @@ def _gpu_host() -> bool:
 
 @contextlib.contextmanager
 def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = None,
-         wait_s: float | None = None) -> Iterator[bool]:
+         wait_s: float | None = None,
+         on_wait: Callable[[float], None] | None = None) -> Iterator[bool]:
     """Hold the lock (``exclusive`` for a sleep, shared for a start or a wake) while
     the block runs; yields whether it is held. ``gpu=False`` (a CPU server) holds
-    nothing; ``path`` overrides the run's lock file.
+    nothing; ``path`` overrides the run's lock file. ``on_wait`` is told how many
+    seconds went by before the lock was taken (or given up), where there is a lock.
 
     A sleep goes first: every holder passes a turnstile (``<path>.turn``) on its way
     in, and a sleep keeps it shut while it waits, so starts that begin after the
@@ -64,13 +66,16 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
         yield False
         return
     path.parent.mkdir(parents=True, exist_ok=True)  # the run's folder, if it went early
-    deadline = time.monotonic() + wait_s
+    t0 = time.monotonic()
+    deadline = t0 + wait_s
     with open(path.with_name(path.name + ".turn"), "a+") as turn, open(path, "a+") as f:
         got = _take(turn, fcntl.LOCK_EX, deadline)
         try:
             got = got and _take(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline)
         finally:
             fcntl.flock(turn, fcntl.LOCK_UN)
+        if on_wait is not None:
+            on_wait(time.monotonic() - t0)
         if not got:
             log.warning("%s: the GPU memory lock was not free after %.0f s; going ahead "
                         "without it", what, wait_s)

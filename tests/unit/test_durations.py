@@ -77,7 +77,7 @@ def _report(tests: list[dict], gpus: int = 0) -> dict:
 SYNTHETIC = _report([
     # three cases of one function: 2, 3 and 4 s of their own; median 3
     _entry("tests/t.py::test_a[1]", 10.0, server_wait=8.0, other=2.0),
-    _entry("tests/t.py::test_a[2]", 3.04),
+    _entry("tests/t.py::test_a[2]", 60.04, lock_wait=57.0),   # a sleep behind starts
     _entry("tests/t.py::test_a[3]", 5.0, "xfailed", twin_wait=1.0),
     # what must not count: a hang cut by its timeout, an interruption, an error, a skip
     _entry("tests/t.py::test_a[4]", 600.0, "failed"),

@@ -153,3 +153,29 @@ def test_a_sleep_is_not_starved_by_starts_that_keep_overlapping(tmp_path):
         stop.set()
         for t in starts:
             t.join(timeout=30)
+
+
+def test_a_tests_sleep_reports_its_wait_for_the_lock_as_a_phase(tmp_path, monkeypatch):
+    """On one GPU a sleep waits for the other servers' starts (minutes on an H100 with
+    eight workers): the client of a test's session reports each wait as phase
+    ``lock_wait``, so the report shows it and the plan's durations leave it out."""
+    from types import SimpleNamespace
+
+    from harness.run.flow import SyncSession
+    from harness.vllm.client import ServerClient
+
+    path = tmp_path / "gpu-memory.lock"
+    monkeypatch.setattr(memory_lock, "_path", lambda: path)
+    monkeypatch.setattr(ServerClient, "_call", lambda self, *a, **kw: {})
+    records = []
+    session = SimpleNamespace(on_record=lambda name, value: records.append((name, value)))
+    srv = SimpleNamespace(url="http://127.0.0.1:9", describe_failure=lambda: "",
+                          cfg=SimpleNamespace(api_key=None, enable_sleep_mode=True))
+    client = SyncSession.client_for(session, srv)
+    with _held_elsewhere(path, exclusive=False) as let_go:   # a server start elsewhere
+        threading.Timer(LET_GO_S, let_go).start()
+        client.sleep(level=1)
+    client.wake_up()
+    waits = [v["lock_wait"] for name, v in records if name == "phase" and "lock_wait" in v]
+    assert len(waits) == 2, records
+    assert waits[0] > 1.0 and waits[1] < 0.5, waits
