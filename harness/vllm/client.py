@@ -257,8 +257,10 @@ class ServerClient:
         """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``: part of it;
         scheduling resumes once nothing sleeps). Shared, like a start: a wake maps memory
         that another server's sleep would count against itself, and nothing judges a
-        wake by the device's memory (``gpu_worker.wake_up``, read in 0.26.0)."""
-        with memory_lock.held(False, "POST /wake_up", on_wait=self.on_lock_wait):
+        wake by the device's memory (``gpu_worker.wake_up``, read in 0.26.0). Unlike a
+        start it does not queue behind a sleep that is still waiting (``queue=False``)."""
+        with memory_lock.held(False, "POST /wake_up", queue=False,
+                              on_wait=self.on_lock_wait):
             return self._call("POST", "/wake_up",
                               params={"tags": list(tags)} if tags else None, timeout=timeout)
 

@@ -179,3 +179,29 @@ def test_a_tests_sleep_reports_its_wait_for_the_lock_as_a_phase(tmp_path, monkey
     waits = [v["lock_wait"] for name, v in records if name == "phase" and "lock_wait" in v]
     assert len(waits) == 2, records
     assert waits[0] > 1.0 and waits[1] < 0.5, waits
+
+
+def test_a_wake_does_not_queue_behind_a_sleep_that_waits_for_starts(tmp_path):
+    """A sleep waiting for a start under way keeps the turnstile shut: a new start waits
+    for the sleep, but a wake, milliseconds of mapping, goes ahead beside the start (on
+    an H100 a /wake_up queued behind such sleeps took 227 s, the engine's wake 0.004 s)."""
+    path = tmp_path / "gpu-memory.lock"
+    with _held_elsewhere(path, exclusive=False) as let_go:   # a server start elsewhere
+        slept = []
+
+        def sleep():
+            with memory_lock.held(True, "a sleep", path=path, wait_s=BOUND_S) as got:
+                slept.append(got)
+
+        sleeping = threading.Thread(target=sleep, daemon=True)
+        sleeping.start()
+        time.sleep(0.5)                                       # the sleep is waiting now
+        t0 = time.monotonic()
+        with memory_lock.held(False, "a wake", path=path, queue=False, wait_s=3) as got:
+            waited = time.monotonic() - t0
+        assert got and waited < 1.0, f"the wake waited {waited:.2f} s behind the sleep"
+        with memory_lock.held(False, "a new start", path=path, wait_s=0.5) as got:
+            assert not got, "a start went ahead of a sleep that was waiting"
+        let_go()
+        sleeping.join(timeout=BOUND_S)
+        assert slept == [True], "the sleep did not get the lock once the start was done"
