@@ -63,9 +63,11 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
 
     ``queue=False`` (a wake) skips the turnstile: it waits only for a sleep that holds
     the lock, not for one still waiting for starts. A wake maps memory in milliseconds,
-    so it cannot starve a sleep; behind the turnstile it waited out every sleep queued
-    before it, and each of those the starts under way (a ``/wake_up`` took 227 s on an
-    H100 with eight workers, the engine's wake 0.004 s: the fourteenth GPU visit)."""
+    so it cannot starve a sleep. Behind the turnstile a ``/wake_up`` took 227 s on an
+    H100 with eight workers while the engine's wake took 0.004 s (the fourteenth GPU
+    visit): read from those timings, it waited out the sleeps queued before it, and
+    each of those the starts under way. That skipping the turnstile shortens a GPU run
+    is not measured yet."""
     path = (path or _path()) if gpu else None
     wait_s = WAIT_S if wait_s is None else wait_s
     if path is None:
