@@ -19,6 +19,9 @@ of the session it writes one JSON document:
 ``tests``         per test: nodeid, outcome (passed / failed / error / skipped /
                   xfailed / xpassed), duration, skip or xfail reason, known-issue id,
                   case fields, metrics merged from ``user_properties``, failure message,
+                  ``at``: when its set-up began, in seconds on the clock of the
+                  servers' ``started_at``, and ``worker``, the xdist worker that ran
+                  it (null in a serial run): a run's timeline, test by test;
                   ``timing``: seconds per phase (server_wait, reference, before, sync,
                   after, observe, twin_wait, lock_wait: a sleep's or a wake's wait
                   for the GPU-memory lock) and ``other``, the rest of its duration
@@ -179,8 +182,14 @@ class _TestRecord:
         self.reason: str | None = None
         self.message: str | None = None
         self.props: list[tuple[str, Any]] = []
+        self.began: float | None = None   # epoch seconds, the set-up's start
+        self.worker: str | None = None
 
     def add(self, rep: pytest.TestReport) -> None:
+        if rep.when == "setup" or self.began is None:
+            self.began = getattr(rep, "start", None) or self.began
+        node = getattr(rep, "node", None)  # xdist: the worker the report came from
+        self.worker = getattr(getattr(node, "gateway", None), "id", None) or self.worker
         self.phases[rep.when] = _phase_outcome(rep)
         self.duration += rep.duration
         self.reason = _skip_reason(rep) or self.reason
@@ -211,7 +220,7 @@ class _TestRecord:
             return "error"
         return call
 
-    def as_dict(self) -> dict:
+    def as_dict(self, epoch_t0: float = 0.0) -> dict:
         case, metrics, known, syncs = None, {}, None, []
         timing: dict[str, float] = {}
         for name, value in self.props:
@@ -231,6 +240,8 @@ class _TestRecord:
             timing["other"] = round(max(0.0, self.duration - sum(timing.values())), 3)
         return {"nodeid": self.nodeid, "outcome": self.outcome(),
                 "duration": round(self.duration, 3), "reason": self.reason,
+                "at": (round(self.began - epoch_t0, 3) if self.began else None),
+                "worker": self.worker,
                 "known_issue": known,
                 "xpass_strict": "xpassed_strict" in self.phases.values(),
                 "case": case, "metrics": _json_safe(metrics), "syncs": _json_safe(syncs),
@@ -312,6 +323,9 @@ class ReportPlugin:
         self.path = path if path.is_absolute() else Path(config.invocation_params.dir) / path
         self.started_at = _dt.datetime.now(_dt.timezone.utc)
         self.t0 = time.monotonic()
+        # The servers' times are seconds after state.t0 (monotonic); a test report's
+        # are epoch seconds. This maps one onto the other.
+        self.epoch_t0 = time.time() - (self.t0 - getattr(state, "t0", self.t0))
         self.records: dict[str, _TestRecord] = {}
         self.openapi: dict | None = None
         self.openapi_source: dict | None = None
@@ -525,7 +539,7 @@ class ReportPlugin:
         figures = pool.start_figures() if pool is not None else {
             "servers_started": 0, "start_seconds_sum": 0.0, "start_wall_seconds": 0.0,
             "restarts": 0}
-        tests = [r.as_dict() for r in self.records.values()]
+        tests = [r.as_dict(self.epoch_t0) for r in self.records.values()]
         syncs = [x for t in tests for x in t.get("syncs") or []]
         phases: dict[str, float] = {}
         for t in tests:
@@ -564,7 +578,7 @@ class ReportPlugin:
                                       if not x.get("first")]}
 
     def build(self, exitstatus: int | None) -> dict:
-        tests = [r.as_dict() for r in self.records.values()]
+        tests = [r.as_dict(self.epoch_t0) for r in self.records.values()]
         return _json_safe({
             "schema": SCHEMA_VERSION,
             "header": self.header(exitstatus),

@@ -214,3 +214,35 @@ def test_held():
     assert rep["timing"]["workers"] == 2, out[-3000:]
     assert rep["timing"]["workers_partial"] == []
     assert sorted(rep["plan"]["workers"]) == ["gw0", "gw1"]
+
+
+def test_each_test_says_when_it_began_and_on_which_worker(pytester):
+    """The report's timeline: a real ``-n 2`` run of two modules, two tests each; every
+    test names its worker, and one worker's tests follow each other without overlap, in
+    seconds on the clock of the servers' ``started_at``. A serial run names no worker."""
+    for k in range(2):
+        pytester.makepyfile(**{f"test_line{k}": """
+import time
+def test_a():
+    time.sleep(0.6)
+def test_b():
+    time.sleep(0.6)
+"""})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
+    for extra, name in ((["-n", "2"], "par.json"), ([], "ser.json")):
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *extra,
+             "--harness-report", name, "-q"], cwd=pytester.path, timeout=120,
+            env={**env, "HARNESS_REPORT_PROBES": "0"}, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    par = json.loads((pytester.path / "par.json").read_text())["tests"]
+    ser = json.loads((pytester.path / "ser.json").read_text())["tests"]
+    assert {t["worker"] for t in par} <= {"gw0", "gw1"} and len(par) == 4
+    assert all(t["worker"] is None for t in ser)
+    for tests in ([t for t in par if t["worker"] == w] for w in ("gw0", "gw1")):
+        tests.sort(key=lambda t: t["at"])
+        for a, b in zip(tests, tests[1:]):
+            assert b["at"] >= a["at"] + 0.6, (a, b)
+    ser.sort(key=lambda t: t["at"])
+    assert 0 <= ser[0]["at"] < 30, ser[0]
+    assert all(b["at"] >= a["at"] + 0.6 for a, b in zip(ser, ser[1:])), ser
