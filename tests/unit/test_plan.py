@@ -309,3 +309,17 @@ def test_the_end_of_a_run_stops_its_servers_at_interpreter_exit_too(fake_pool, m
     monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", refuse)
     pool.stop_all()
     assert not pool.servers and len(stopped) == 3
+
+
+def test_the_host_sampler_keeps_its_pace_when_a_test_stubs_time_sleep(fake_pool, monkeypatch):
+    """A CI run's report held 4582 host samples taken in 0.1 s: a unit test stubbed
+    ``time.sleep`` (a retry loop's) while the worker's pool sampled the host."""
+    import time as time_module
+    pool = fake_pool(max_alive=1, max_starting=1)
+    pool.plan([_cfg(model="m0")])
+    monkeypatch.setattr(time_module, "sleep", lambda s: None)
+    threading.Event().wait(0.3)
+    assert len(pool.samples) <= 2, f"{len(pool.samples)} samples in 0.3 s"
+    pool.stop_all()
+    pool._sampler.join(timeout=5)
+    assert not pool._sampler.is_alive(), "the sampler outlived its pool"
