@@ -369,7 +369,9 @@ class Scheduling:
 
     def schedule(self) -> None:
         assert self.collection_is_completed
-        if self._scheduled:
+        if self._scheduled:  # a worker that replaces a dead one: the orphans are its
+            for node in self.nodes:
+                self._feed(node)
             return
         bins = read_partition(self.collection)
         modules: dict[str, list[int]] = {}
@@ -406,7 +408,11 @@ class Scheduling:
         if send:
             pending.extend(send)
             node.send_runtest_some(send)
-        elif not pending:
+        # Nothing more for this worker: say so now, as xdist's own schedulers do. A worker
+        # runs a test only once it knows the next one (pytest's nextitem), so without
+        # this each worker's last test waited for every other worker's: on an H100 all
+        # eight last tests began together at 582 s, their servers kept alive until then.
+        if not (self.free or self.orphans or self.own.get(self._bin(node))):
             node.shutdown()
 
 

@@ -79,11 +79,19 @@ def test_each_worker_runs_its_own_servers_and_a_module_stays_together(tmp_path, 
 
 def test_a_dead_worker_names_the_test_it_died_in_and_its_tests_go_elsewhere(tmp_path,
                                                                               monkeypatch):
+    """Worker 1, which has had all its tests, is shut down already: the dead worker's
+    go to the worker xdist starts in its place."""
     ids = [f"tests/test_x.py::srv{i}" for i in range(4)]
     sched, nodes = _scheduler(tmp_path, monkeypatch, ids, [0, 0, 1, 1])
     assert sched.remove_node(nodes[0]) == ids[0]
-    _drain(sched, nodes[1:])
-    assert sorted(nodes[1].sent) == [1, 2, 3]
+    assert not sched.tests_finished, "the dead worker's second test is still to run"
+    spare = FakeNode("gw2")
+    sched.add_node(spare)
+    sched.add_node_collection(spare, ids)
+    sched.schedule()
+    _drain(sched, nodes[1:] + [spare])
+    assert sorted(nodes[1].sent) == [2, 3] and spare.sent == [1]
+    assert sched.tests_finished
 
 
 def test_a_collection_that_differs_between_workers_is_refused(tmp_path, monkeypatch):
@@ -246,3 +254,18 @@ def test_b():
     ser.sort(key=lambda t: t["at"])
     assert 0 <= ser[0]["at"] < 30, ser[0]
     assert all(b["at"] >= a["at"] + 0.6 for a, b in zip(ser, ser[1:])), ser
+
+
+def test_a_worker_with_nothing_left_is_told_so_while_its_last_tests_run(tmp_path, monkeypatch):
+    """pytest runs a test once it knows the next one: a worker that is not told that its
+    queue is the last holds its last test until the run ends (on an H100, every worker's
+    last test began at 582 s, its servers alive until then). Worker 0's bin is done long
+    before worker 1's: it is shut down as soon as it has all it will get."""
+    ids = [f"tests/test_x.py::a{i}" for i in range(2)] + [f"tests/test_y.py::b{i}" for i in range(6)]
+    sched, nodes = _scheduler(tmp_path, monkeypatch, ids, [0, 0] + [1] * 6)
+    assert sorted(nodes[0].sent) == [0, 1]
+    sched.mark_test_complete(nodes[0], 0)
+    assert nodes[0].shutting_down, "worker 0 still waits for more tests with one left"
+    assert sched.node2pending[nodes[1]], "worker 1 has not finished"
+    _drain(sched, nodes)
+    assert sorted(nodes[0].sent + nodes[1].sent) == list(range(len(ids)))
