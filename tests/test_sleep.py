@@ -272,16 +272,23 @@ else:
     import torch
     dev = torch.device("cuda", int(sys.argv[1]))
     torch.empty(1, device=dev)  # its CUDA context first: made before the sleeps
-    def churn():
-        x = torch.empty(n, dtype=torch.uint8, device=dev)
-        del x
-        torch.cuda.empty_cache()  # back to the driver, so the device's free memory moves
+    held = []
+    def churn():  # the device's free memory falls 64 MiB at a time, up to 1 GiB, then rises
+        if len(held) == 16:
+            held.clear()
+            torch.cuda.empty_cache()
+        held.append(torch.empty(n, dtype=torch.uint8, device=dev))
 print("ready", flush=True)
 deadline = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < deadline:
     churn()
 """
-NEIGHBOUR_SLEEPS = 10
+# Sleeps beside the neighbour: on a GPU until the first refusal, at most this many (a
+# sleep fails only if an allocation lands between vLLM's two reads of the free memory,
+# a window of milliseconds: with a neighbour that allocated and freed in turn, 3 of 10
+# sleeps failed on 1 x H200 and 0 of 10 on an H100, which made the strict known issue
+# flake); on a CPU host, where nothing judges a sleep by memory, a few.
+NEIGHBOUR_SLEEPS = {"gpu": 100, "cpu": 10}
 
 
 @pytest.mark.features()
@@ -289,8 +296,9 @@ NEIGHBOUR_SLEEPS = 10
 def test_a_sleep_beside_a_process_allocating_on_the_gpu_succeeds(awake):
     """A colocated trainer allocates on the server's GPU while the server is told to sleep
     (the RL case, and tests side by side). The sleep concerns the server's own memory,
-    so it must succeed: here a neighbour process allocates and frees 64 MiB in a loop
-    while the server, without --enable-sleep-mode, sleeps and wakes 10 times. vLLM's GPU
+    so it must succeed: here a neighbour process allocates 64 MiB after 64 MiB (freeing
+    all at 1 GiB) while the server, without --enable-sleep-mode, sleeps and wakes until
+    the first refusal, at most 100 times (10 on a CPU host). vLLM's GPU
     worker judges a sleep by the whole device's free memory before and after
     (``gpu_worker.sleep``, read in 0.26.0 and 0.32.0) and fails it with "Memory usage
     increased after sleeping." when any other process allocated meanwhile: known issue
@@ -307,7 +315,9 @@ def test_a_sleep_beside_a_process_allocating_on_the_gpu_succeeds(awake):
         ready = select.select([proc.stdout], [], [], HANG_S)[0]
         first = proc.stdout.readline().strip() if ready else f"nothing in {HANG_S:.0f} s"
         assert first == "ready", f"the neighbour process did not start: {first!r}"
-        for _ in range(NEIGHBOUR_SLEEPS):
+        for _ in range(NEIGHBOUR_SLEEPS["gpu" if gpus else "cpu"]):
+            if any(a[0] != 200 for a in answers):
+                break
             r = s.client.raw("POST", "/sleep", params={"level": 1}, timeout=HANG_S)
             answers.append([r.status_code, r.text[:160]])
             if r.status_code != 200:  # what ServerClient.sleep's retry relies on, recorded
