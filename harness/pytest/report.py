@@ -21,7 +21,8 @@ of the session it writes one JSON document:
                   case fields, metrics merged from ``user_properties``, failure message,
                   ``at``: when its set-up began, in seconds on the clock of the
                   servers' ``started_at``, and ``worker``, the xdist worker that ran
-                  it (null in a serial run): a run's timeline, test by test;
+                  it (null in a serial run): a run's timeline, test by test (in a
+                  report joined by ``harness merge``, each shard's own clock);
                   ``timing``: seconds per phase (server_wait, reference, before, sync,
                   after, observe, twin_wait, lock_wait: a sleep's or a wake's wait
                   for the GPU-memory lock) and ``other``, the rest of its duration
