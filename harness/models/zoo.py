@@ -307,9 +307,23 @@ def hub_unavailable(repo_id: str, timeout: float = 10.0) -> str | None:
     return None
 
 
+def _no_progress_bars() -> None:
+    """transformers' progress bars off in this process. Models are built in the pool's
+    start threads while tests run, and a bar written then lands in whatever a test
+    captures of stderr: on an H100, "Writing model shards" came before the one line a
+    bad ``harness repro`` argument must print, and that test failed."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        return
+    transformers_logging.disable_progress_bar()
+
+
 def build_into(final: Path, build) -> Path:
     """Run ``build(tmp)`` in a temporary sibling of ``final`` and rename it into place:
-    a crash or a concurrent builder never leaves a half-written directory behind."""
+    a crash or a concurrent builder never leaves a half-written directory behind. The
+    build prints no progress bar (``_no_progress_bars``)."""
+    _no_progress_bars()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:

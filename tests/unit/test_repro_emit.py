@@ -1175,3 +1175,19 @@ def test_a_sender_that_differs_from_the_script_is_caught(emitted, monkeypatch):
     script.send_shm(theirs, _mixed_weights(), {"packed": True}, timeout=60)
     assert changed == ["lm_head.weight"]
     assert ours.updates != theirs.updates
+
+
+def test_a_model_build_prints_no_progress_bar(tmp_path, capfd):
+    """The pool builds zoo models in its start threads while tests run: a progress bar
+    written then lands in the stderr a test captures (on an H100, "Writing model shards"
+    before the one line of a bad-input test above, which failed)."""
+    from transformers.utils import logging as transformers_logging
+
+    from harness.models import ZOO, build_into
+    from harness.portable.recipes import build_tiny_model
+
+    transformers_logging.enable_progress_bar()
+    build_into(tmp_path / "llama", lambda tmp: build_tiny_model(ZOO["llama"].recipe(), tmp))
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "%|" not in err, err
+    assert (tmp_path / "llama" / "model.safetensors").exists()
