@@ -97,9 +97,10 @@ def _no_cpu_serving(s) -> str:
 def _beyond_quick(c: Case, s, twin: bool, pinned: bool = False) -> str:
     """Why case ``c`` is left out at quick depth ('' if it is not): the default model runs
     in every dimension. Another architecture runs once: on GPUs in bfloat16 (what RL
-    trains in) with its twin, on the layouts whose server is on GPU 0 (the GPU 1 mirror
-    checks device identity, which llama shows), where a test pinned to it runs in every
-    case; on a host without GPUs in float32, without a twin, and only where the test is pinned to it
+    trains in) with its twin, on the layouts whose server is on GPU 0, where a test
+    pinned to it runs in every case. A layout whose server is on another GPU (the GPU 1
+    mirror checks that IPC handles are matched by device identity) runs only the default
+    model's plain engine: no other architecture, mode, feature or twin, which GPU 0 runs; on a host without GPUs in float32, without a twin, and only where the test is pinned to it
     (the architecture sweep is a server start per model there). Graph mode (150-300 s a
     start on CPU) runs only on GPUs, and no twin of a tensor-parallel CPU layout (a 260 s
     start). ci/matrix.sh runs the rest, at full depth. What the user named is always run.
@@ -109,6 +110,12 @@ def _beyond_quick(c: Case, s, twin: bool, pinned: bool = False) -> str:
     if (twin and c.layout.tensor_parallel_size > 1 and not c.layout.gpus_needed
             and "vllm_layout" not in s.explicit):
         return "a twin of a tensor-parallel layout on a host without GPUs"
+    if (c.layout.server_gpus and c.layout.server_gpus[0] != 0
+            and "vllm_layout" not in s.explicit
+            and (c.model not in s.vllm_model or c.mode != facts.DEFAULT_MODE
+                 or c.features or twin)):
+        return (f"{c.layout.name} beyond the default model's plain engine (the mirror "
+                f"checks device identity; GPU 0 runs the rest)")
     if c.model in s.vllm_model or "vllm_model" in s.explicit:
         return ""
     if c.layout.gpus_needed:

@@ -6,6 +6,7 @@ this host, whatever it has (--harness-plan-host)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -47,6 +48,12 @@ def test_the_gpu_selections_plan_no_restart(child_pytest, host, selection):
         extra = [c for c in configs if " mrv" in c or ("mode=graphs" in c and "sleep" in c)
                  or c.startswith("nemotron-h") or " lora" in c]
         assert len(configs) - len(extra) <= 30, (len(configs), extra)
+    # the GPU 1 mirror (IPC handles matched by device identity) runs the default model's
+    # plain engine only; GPU 0 runs the other architectures, modes, features and twins
+    mirror = [c for c in configs if " gpu1 " in c]
+    assert bool(mirror) == ("nccl" in selection)
+    assert all(re.match(r"llama-[0-9a-f]{12} \S+ backend=ipc load=dummy gpu1 tp=1 INSECURE", c)
+               for c in mirror), mirror
     # rollout servers as RL teams run them: vLLM's default mode for every variant, with
     # a disk-loaded twin in that mode; an fp8 server and its fp8 twin
     for engine in ("ipc",) + (("nccl",) if "nccl" in selection else ()):
