@@ -100,8 +100,10 @@ def _beyond_quick(c: Case, s, twin: bool, pinned: bool = False) -> str:
     trains in) with its twin, on the layouts whose server is on GPU 0, where a test
     pinned to it runs in every case. A layout whose server is on another GPU (the GPU 1
     mirror checks that IPC handles are matched by device identity) runs only the default
-    model's plain engine: no other architecture, mode, feature or twin, which GPU 0 runs; on a host without GPUs in float32, without a twin, and only where the test is pinned to it
-    (the architecture sweep is a server start per model there). Graph mode (150-300 s a
+    model's plain engine: no other architecture, mode, feature or twin, which GPU 0 runs.
+    On a host without GPUs another architecture runs in float32, without a twin, and only
+    where the test is pinned to it (the architecture sweep is a server start per model
+    there). Graph mode (150-300 s a
     start on CPU) runs only on GPUs, and no twin of a tensor-parallel CPU layout (a 260 s
     start). ci/matrix.sh runs the rest, at full depth. What the user named is always run.
     Every test function still runs at quick depth (tests/unit/test_default_tier.py)."""
