@@ -11,8 +11,10 @@
 # selected did not run.
 #
 # GPU_RUN_SECONDS=N: interrupt pytest after N seconds (Ctrl-C: servers are stopped and
-# the report is written), killing it 30 s later if it does not stop. Use it under a
-# job limit; even a killed run leaves the report of the tests that finished. Started in
+# the report is written), killing it 90 s later if it does not stop: the controller
+# gives its workers up to 60 s to stop their servers (26 s for a worker's on 1 x H200),
+# then writes the report. Use it under a job limit, N at least 90 s below it; even a
+# killed run leaves the report of the tests that finished. Started in
 # the background (a CI step, `cmd &`, nohup), pytest begins with SIGINT ignored; the
 # harness takes it back once it starts servers, so the limit still interrupts it.
 set -uo pipefail
@@ -29,7 +31,7 @@ if ! python3 -c "import importlib.metadata as m; m.version('weight-sync-harness'
 fi
 nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv > "$out/gpus.csv" 2>&1 || true
 limit=()
-[ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=30 "$GPU_RUN_SECONDS")
+[ -n "${GPU_RUN_SECONDS:-}" ] && limit=(timeout --signal=INT --kill-after=90 "$GPU_RUN_SECONDS")
 # Tests side by side (pytest-xdist, whole servers per worker: harness/run/parallel.py):
 # GPU_RUN_WORKERS workers, "auto" (the host's concurrent starts, at most 8) unless the
 # arguments name -n themselves; 0 runs the tests one after another.

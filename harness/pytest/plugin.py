@@ -138,6 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if parallel.ours(config) and not hasattr(config, "workerinput"):
         parallel.controller_dir()  # the workers, started after this, inherit its path
         config.pluginmanager.register(_GpuCaseCounter(state), "harness-gpu-cases")
+        config.pluginmanager.register(_InterruptedRun(), "harness-interrupted-run")
     if s.harness_shard:  # applied after -k, -m and the harness's deselection
         from harness.pytest.sharding import ShardPlugin
 
@@ -307,6 +308,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                     tr.write_line(line)
 
 
+class _InterruptedRun:
+    """The controller of an interrupted parallel run lets its workers stop their
+    servers before pytest-xdist ends them (``parallel.await_workers``)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            parallel.await_workers(session.config)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtestloop(session: pytest.Session):
     """Servers start before the first test runs (while the tests that need none run)
@@ -322,6 +333,8 @@ def pytest_runtestloop(session: pytest.Session):
     elif (state is not None and runs
           and (slots := parallel.start_slots(session.config, state.settings.host())) is not None):
         slots.idle(True)  # a worker without servers: its start slot is the others' to use
+    if state is not None and runs and hasattr(session.config, "workerinput"):
+        parallel.save_record(session.config, state, final=False)  # its pid, for an interrupt
     try:
         yield
     finally:

@@ -172,7 +172,7 @@ def write_partition(bins: list[int | None], ids: Sequence[str]) -> None:
 def worker_output(state: Any) -> dict:
     """What the controller needs of a worker's pool, JSON-safe."""
     pool = state.pool
-    out: dict[str, Any] = {"deselected": dict(state.deselected),
+    out: dict[str, Any] = {"pid": os.getpid(), "deselected": dict(state.deselected),
                            "gpu_cases": dict(state.gpu_cases), "stop_error": state.stop_error,
                            "plan": state.plan.as_dict(state.schedule) if state.plan else None,
                            "servers_planned": len(state.plan.servers) if state.plan else 0}
@@ -185,6 +185,7 @@ def worker_output(state: Any) -> dict:
 
 RECORD_FILE = "worker-{}.json"  # in the folder: a worker's record, for a run cut short
 GATHER_WAIT_S = 20.0             # an interrupted run's wait for the workers' last records
+STOP_WAIT_S = 60.0               # an interrupted run's wait for the workers to stop servers
 
 
 def save_record(config, state: Any, final: bool) -> None:
@@ -214,6 +215,51 @@ def pool_mark(state: Any) -> tuple[int, ...]:
                                     len(pool.reaped))
 
 
+def _ended(rec: dict | None) -> bool:
+    """A worker's record says it is over: final, or its process is gone (killed)."""
+    if rec is None:
+        return False
+    if rec.get("record") == "final":
+        return True
+    import psutil
+
+    try:
+        return psutil.Process(int(rec["pid"])).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except (KeyError, TypeError, ValueError, psutil.Error):  # no pid: it may be going
+        return False
+
+
+def await_workers(config, wait_s: float = STOP_WAIT_S) -> list[str]:
+    """The controller of an interrupted run (Ctrl-C, a job's time limit), at the start
+    of its end: waits up to ``wait_s`` for every worker to end its session, which stops
+    its servers; returns the workers still going. pytest-xdist ends the workers next,
+    and kills one 10 s after asking it to exit. On 1 x H200 the workers took 26 s to
+    stop their servers, and the controller, waiting 20 s more for their records, was
+    killed by the job's limit 30 s after the interrupt, before it wrote its report
+    (reports/gpu/README.md, the seventeenth visit). Every worker writes a record (with
+    its pid) before its first test, so a worker that died is not waited for."""
+    d = os.environ.get(DIR_ENV)
+    n = config.getoption("numprocesses", None)
+    if not d or not _owned(d) or not isinstance(n, int):
+        return []
+    folder, deadline = Path(d), time.monotonic() + wait_s
+    pending = {f"gw{k}" for k in range(n)}
+    while True:
+        pending = {w for w in pending if not _ended(_read(folder, w))}
+        if not pending or time.monotonic() >= deadline:
+            return sorted(pending)
+        time.sleep(0.2)
+
+
+def _read(folder: Path, wid: str) -> dict | None:
+    try:
+        return json.loads((folder / RECORD_FILE.format(wid)).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def gather_records(config, state: Any, interrupted: bool,
                    wait_s: float = GATHER_WAIT_S) -> list[str]:
     """The controller, at its end: the records of the workers it did not hear from, read
@@ -229,12 +275,6 @@ def gather_records(config, state: Any, interrupted: bool,
     expected = {f"gw{k}" for k in range(n)} if isinstance(n, int) else set()
     folder = Path(d)
 
-    def read(wid: str) -> dict | None:
-        try:
-            return json.loads((folder / RECORD_FILE.format(wid)).read_text())
-        except (OSError, ValueError):
-            return None
-
     def missing() -> list[str]:
         head, tail = RECORD_FILE.split("{}")
         found = {p.name[len(head):-len(tail)] for p in folder.glob(RECORD_FILE.format("*"))}
@@ -242,8 +282,8 @@ def gather_records(config, state: Any, interrupted: bool,
 
     deadline = time.monotonic() + (wait_s if interrupted else 0.0)
     while True:
-        records = {w: read(w) for w in missing()}
-        if all(r is not None and r.get("record") == "final" for r in records.values()) \
+        records = {w: _read(folder, w) for w in missing()}
+        if all(_ended(r) for r in records.values()) \
                 or time.monotonic() >= deadline:
             break
         time.sleep(0.2)

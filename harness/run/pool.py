@@ -47,7 +47,7 @@ from pathlib import Path
 from harness import models
 from harness.core import measure
 from harness.trainer.handle import Trainer, TrainerError, TrainerSpec, trainer_env
-from harness.run.start_slots import StartSlots
+from harness.run.start_slots import Abandoned, StartSlots
 from harness.trainer.spares import Spares, TrainerProcesses
 from harness.vllm import reaper
 from harness.vllm import startup
@@ -248,10 +248,12 @@ class ServerPool:
         # (10-20 s on 2 cores, which the server's three processes importing one after
         # another leave room for); each takes its trainer's spec once the server is up.
         early = self._early_trainers(cfg)
-        gate = (self.slots.held(cfg.describe(), ticket) if self.slots is not None
-                else contextlib.nullcontext(None))
+        gate = (self.slots.held(cfg.describe(), ticket, abort=lambda: self._closed)
+                if self.slots is not None else contextlib.nullcontext(None))
         try:
             with gate as slot:
+                if self._closed:  # the run ended while it waited for its slot
+                    raise ServerError(f"not started: the run is ending ({cfg.describe()})")
                 t_built = time.monotonic()
                 try:  # a zoo model is built in its server's start, beside the other starts
                     models.ensure_built(cfg.model)
@@ -259,6 +261,10 @@ class ServerPool:
                     raise ServerError(f"cannot start {cfg.describe()}: {e}") from None
                 built = time.monotonic() - t_built
                 srv.start()
+        except Abandoned:
+            for spare in early:
+                spare.discard()
+            raise ServerError(f"not started: the run is ending ({cfg.describe()})") from None
         except BaseException:
             for spare in early:
                 spare.discard()
@@ -465,9 +471,11 @@ class ServerPool:
             booting = list(self._booting.values())
             starting = [f for f in self._starting.values() if not f.cancel()]
         errors = []
-        for srv in booting:  # a start under way is cut short: its process tree is stopped
+        # A start under way is cut short: its process tree is stopped, and one not
+        # launched yet (waiting for a slot or the GPU's lock) never launches.
+        for srv in booting:
             try:
-                srv.stop()
+                srv.cancel()
             except ServerError as e:
                 errors.append(str(e))
         for f in starting:

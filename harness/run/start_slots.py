@@ -36,11 +36,15 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 WAIT_S = 900.0     # a start's own limit is about this long
 POLL_S = 0.1
 log = logging.getLogger(__name__)
+
+
+class Abandoned(Exception):
+    """A start gave up its place in the line: its run is ending."""
 
 
 class StartSlots:
@@ -106,11 +110,14 @@ class StartSlots:
             pass
 
     @contextlib.contextmanager
-    def held(self, what: str, ticket: int | None = None) -> Iterator[dict]:
+    def held(self, what: str, ticket: int | None = None, *,
+             abort: Callable[[], bool] | None = None) -> Iterator[dict]:
         """Hold a slot while the block starts a server; yields what the wait was
         (``slot``: its number, or None past ``wait_s``; ``waited``: seconds;
         ``borrowed``: whether it is another worker's). ``ticket``: its place in the
-        line (``ticket()``); without one it joins the end of the line."""
+        line (``ticket()``); without one it joins the end of the line. ``abort``: asked
+        while waiting; once true the wait ends in ``Abandoned`` (the run is ending: a
+        start that got its slot then would launch a server nobody stops)."""
         t0 = time.monotonic()
         got: tuple[int, object] | None = None
         ticket = self.ticket() if ticket is None else ticket
@@ -127,6 +134,9 @@ class StartSlots:
                     if got is not None:
                         self.leave(ticket)   # the next in line may borrow a slot
                 if got is None:
+                    if abort is not None and abort():
+                        raise Abandoned(f"{what}: the run ended while it waited for a "
+                                        "start slot")
                     if time.monotonic() >= deadline:
                         log.warning("%s: no start slot free after %.0f s; going ahead "
                                     "without one", what, self.wait_s)

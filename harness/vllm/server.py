@@ -264,6 +264,7 @@ class VLLMServer:
         # booting server while the start it cut short stops it too): one stops the
         # tree, the other waits for it and finds nothing left to stop
         self._stop_lock = threading.Lock()
+        self._cancelled = False  # cancel(): the run ended before its launch
 
     # ------------------------------------------------------------------ attach
     @classmethod
@@ -313,10 +314,14 @@ class VLLMServer:
                         t0 = time.monotonic()
                         # vLLM stamps its log lines in wall-clock time
                         self.launched_at = time.time()
-                        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                     stdin=subprocess.DEVNULL,
-                                                     env=reaper.tagged(build_env(self.cfg)),
-                                                     start_new_session=True)
+                        with self._stop_lock:  # cancel() either comes first or stops it
+                            if self._cancelled:
+                                raise ServerError(f"not started: cancelled before its launch "
+                                                  f"({self.cfg.describe()})")
+                            self.proc = subprocess.Popen(
+                                argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=reaper.tagged(build_env(self.cfg)),
+                                start_new_session=True)
                     self._wait_ready(t0)
                     self.start_seconds = time.monotonic() - t0
                     self.version = self._fetch_version()
@@ -408,6 +413,13 @@ class VLLMServer:
         # orphans, are still in its process group.
         proc = self.proc
         return [] if proc is None else tree_processes(proc.pid, orphans=True)
+
+    def cancel(self) -> None:
+        """Stop it, and if it is not launched yet, see that it never is: a start still
+        waiting (for a start slot, the GPU's lock) when the run ends fails instead."""
+        with self._stop_lock:
+            self._cancelled = True
+        self.stop()
 
     def stop(self, timeout: float = 30.0) -> None:
         """TERM the process group, wait, KILL what is left, then verify nothing is.

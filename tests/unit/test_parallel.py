@@ -191,10 +191,47 @@ def test_an_interrupted_controller_waits_for_a_final_record(tmp_path, monkeypatc
     assert state.worker_outputs["gw1"]["record"] == "final"
 
 
+def test_an_interrupted_controller_does_not_wait_for_a_worker_that_died(tmp_path,
+                                                                        monkeypatch):
+    """A worker killed while it stopped its servers (pytest-xdist's kill, the OOM
+    killer) never writes its final record: the controller takes its last partial one at
+    once instead of waiting out the bound, which a job's time limit may not leave it."""
+    monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
+    config, state = _controller(2, tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _record(tmp_path, "gw0", "final")
+    _record(tmp_path, "gw1", "partial", pid=dead.pid, started=[{"url": "b"}])
+    t0 = time.monotonic()
+    assert parallel.gather_records(config, state, interrupted=True, wait_s=30) == ["gw1"]
+    assert time.monotonic() - t0 < 15, "it waited for the final record of a dead worker"
+    assert state.worker_outputs["gw1"]["started"] == [{"url": "b"}]
+
+
 def test_an_interrupted_parallel_run_reports_every_worker(pytester):
     """End to end, a real ``-n 2`` run interrupted as ci/gpu-run.sh's time limit does it
-    (SIGINT to the process group) while a test runs: the report still has both workers'
-    records (the controller never heard from them)."""
+    (``timeout --signal=INT``: SIGINT to pytest, then to its process group) while a test
+    runs, each worker then taking 13 s to end its session as a GPU worker stopping its
+    servers does (26 s on 1 x H200). Seen there: pytest-xdist kills a worker 10 s after
+    it asks it to exit, the controller then waited 20 s for records that never came, and
+    the job's kill 30 s after the interrupt took the controller before its report. Now
+    the controller waits for its workers to end before pytest-xdist's kill: every
+    worker ends its session, its final record is in the report, and the run is over
+    well before a kill 40 s after the interrupt."""
+    pytester.makeconftest("""
+import pathlib, os, time
+def pytest_sessionfinish(session):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 13:   # stopping the servers: a second Ctrl-C waits
+        try:
+            time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+    pathlib.Path(f"done-{worker}").touch()
+""")
     for k in range(2):
         pytester.makepyfile(**{f"test_cut{k}": f"""
 import pathlib, time
@@ -208,19 +245,30 @@ def test_held():
          "--harness-report", "int.json", "-q"], cwd=pytester.path, start_new_session=True,
         env={**env, "HARNESS_REPORT_PROBES": "0"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
+    killed = False
     try:
         deadline = time.monotonic() + 120
         while not any((pytester.path / f"in{k}").exists() for k in range(2)):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        out = proc.communicate(timeout=90)[0]
+        time.sleep(1.0)   # both workers are in their loops
+        os.kill(proc.pid, signal.SIGINT)     # as timeout(1) does: pytest,
+        os.killpg(proc.pid, signal.SIGINT)   # then its whole process group
+        try:
+            out = proc.communicate(timeout=40)[0]
+        except subprocess.TimeoutExpired:    # the job's kill
+            killed = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate(timeout=30)[0]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    assert not killed, "the run outlived a kill 40 s after its interrupt: " + out[-3000:]
+    done = sorted(p.name for p in pytester.path.glob("done-*"))
+    assert done == ["done-gw0", "done-gw1"], f"workers killed before their session ended: {done}"
     rep = json.loads((pytester.path / "int.json").read_text())
     assert rep["timing"]["workers"] == 2, out[-3000:]
-    assert rep["timing"]["workers_partial"] == []
+    assert rep["timing"]["workers_partial"] == [], out[-3000:]
     assert sorted(rep["plan"]["workers"]) == ["gw0", "gw1"]
 
 

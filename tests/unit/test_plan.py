@@ -151,6 +151,9 @@ class _FakeServer:
     def stop(self):
         pass
 
+    def cancel(self):  # a start not launched yet: the real one also never launches it
+        self.stop()
+
     def describe_failure(self):
         return ""
 

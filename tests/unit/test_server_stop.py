@@ -9,6 +9,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from harness.vllm.server import ServerConfig, VLLMServer
 
@@ -106,3 +107,19 @@ def test_a_start_that_fails_after_the_server_is_up_leaves_nothing_running(tmp_pa
     finally:
         if started[0].poll() is None:
             started[0].kill()
+
+
+def test_a_server_cancelled_before_its_launch_never_launches(tmp_path, monkeypatch):
+    """The pool's end cancels a start still waiting for its turn (a start slot, the
+    GPU's lock): when the turn comes, start() fails and no vLLM process is made."""
+    from harness.vllm import server as server_mod
+    from harness.vllm.server import ServerError
+
+    launched = []
+    monkeypatch.setattr(server_mod.subprocess, "Popen",
+                        lambda *a, **kw: launched.append(a) or pytest.fail("launched"))
+    srv = VLLMServer(ServerConfig(model="x"), log_dir=tmp_path)
+    srv.cancel()
+    with pytest.raises(ServerError, match="cancelled before its launch"):
+        srv.start()
+    assert launched == [] and srv.proc is None

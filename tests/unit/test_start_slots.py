@@ -63,6 +63,8 @@ def _pool(tmp_path, monkeypatch, slots, starts: list, hold_s: float):
         def stop(self):
             pass
 
+        cancel = stop
+
     monkeypatch.setattr(pool_mod, "VLLMServer", Server)
     monkeypatch.setattr(pool_mod.models, "ensure_built", lambda model: None)
     return pool_mod.ServerPool(tmp_path / "logs", start_timeout=5, max_alive=4,
@@ -170,3 +172,30 @@ def test_a_worker_starts_its_planned_servers_in_plan_order(tmp_path, monkeypatch
             p._closed = True
         assert [m for m, what, _ in starts if what == "begin"] == names, starts
         assert not p._tickets, p._tickets
+
+
+def test_a_start_still_waiting_for_its_slot_when_the_run_ends_launches_nothing(
+        tmp_path, monkeypatch):
+    """Seen on 1 x H200 when a job's time limit cut a run: a start queued for a slot
+    had none when the pool stopped, so nothing was stopped; the slot came free as the
+    other workers stopped their servers, and the start launched vLLM after the run had
+    ended (a server log begun 5 s after the interrupt), while stop_all sat out its
+    60 s wait for that start. The pool's end now cuts the wait short."""
+    starts: list = []
+    folder = tmp_path / "run"
+    p = _pool(tmp_path, monkeypatch, StartSlots(folder, 1, 0, 1, wait_s=120), starts, 0.1)
+    other = StartSlots(folder, 1, 0, 1, wait_s=5)   # another holder of the one slot
+    stopped = threading.Event()
+    with other.held("a start of another worker") as h:
+        assert h["slot"] == 0, h
+        p.plan([ServerConfig(model="/late")])
+        deadline = time.monotonic() + 10
+        while not p._booting and time.monotonic() < deadline:  # it waits in the line now
+            time.sleep(0.02)
+        assert p._booting, "the start never reached its slot's wait"
+        threading.Thread(target=lambda: (p.stop_all(), stopped.set()), daemon=True).start()
+        # while the slot is still taken: the end does not wait for the slot
+        assert stopped.wait(30), "stop_all waited for a start that was still in the line"
+    time.sleep(1.0)   # the slot is free now: a start that went on would launch here
+    assert starts == [], f"a server was launched after the run ended: {starts}"
+    assert p.started == []
