@@ -113,8 +113,9 @@ def test_inflight_requests_under_pause(session, style_name):
     # A stream aborted before its first token gets a bare [DONE] from vLLM (pinned by
     # test_abort_of_a_held_request_reports_a_finish_reason): here it only means the
     # request was not yet generating, so the attempt is repeated. So is an attempt whose
-    # pause missed the requests: 480 tokens take ~0.5 s on CPU, and on a shared 2-core
-    # host a stream can reach the engine later than that, or the pause leave late. Under
+    # pause missed the requests: 480 tokens take ~2.5 s on 2 idle CPU cores (20-60 s in a
+    # CI run, beside the other tests), and a stream can reach the engine late, or the
+    # pause leave late. Under
     # load, 2-3 of 6 single attempts were ambiguous with the old plain-HTTP client and
     # 3-5 with the SDK (more client CPU per streamed event). A violation fails at once;
     # 5 ambiguous attempts fail too.
