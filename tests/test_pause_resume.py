@@ -115,10 +115,9 @@ def test_inflight_requests_under_pause(session, style_name):
     # request was not yet generating, so the attempt is repeated. So is an attempt whose
     # pause missed the requests: 480 tokens take ~2.5 s on 2 idle CPU cores (20-60 s in a
     # CI run, beside the other tests), and a stream can reach the engine late, or the
-    # pause leave late. Under
-    # load, 2-3 of 6 single attempts were ambiguous with the old plain-HTTP client and
-    # 3-5 with the SDK (more client CPU per streamed event). A violation fails at once;
-    # 5 ambiguous attempts fail too.
+    # pause leave late. Under load, 2-3 of 6 single attempts were ambiguous with the old
+    # plain-HTTP client and 3-5 with the SDK (more client CPU per streamed event). A
+    # violation fails at once; 5 ambiguous attempts fail too.
     obs = pc.check_inflight_under_pause(session.client, style, prompt,
                                         max_tokens=long_max_tokens(session, prompt),
                                         hold_seconds=3.0, settle_seconds=1.0, attempts=5,

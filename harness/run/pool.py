@@ -261,13 +261,11 @@ class ServerPool:
                     raise ServerError(f"cannot start {cfg.describe()}: {e}") from None
                 built = time.monotonic() - t_built
                 srv.start()
-        except Abandoned:
+        except BaseException as e:
             for spare in early:
                 spare.discard()
-            raise ServerError(f"not started: the run is ending ({cfg.describe()})") from None
-        except BaseException:
-            for spare in early:
-                spare.discard()
+            if isinstance(e, Abandoned):
+                raise ServerError(f"not started: the run is ending ({cfg.describe()})") from None
             raise
         finally:
             with self._lock:
