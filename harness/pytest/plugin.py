@@ -310,12 +310,36 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 class _InterruptedRun:
     """The controller of an interrupted parallel run lets its workers stop their
-    servers before pytest-xdist ends them (``parallel.await_workers``)."""
+    servers before pytest-xdist ends them (``parallel.await_workers``); a second SIGINT
+    does not cut that wait short (``parallel.InterruptGuard``)."""
+
+    def __init__(self) -> None:
+        self.guard: parallel.InterruptGuard | None = None
+        self.previous: object = None
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        import signal
+
+        self.previous = signal.getsignal(signal.SIGINT)
+        self.guard = parallel.InterruptGuard.install()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        if exitstatus == pytest.ExitCode.INTERRUPTED:
-            parallel.await_workers(session.config)
+        if exitstatus != pytest.ExitCode.INTERRUPTED:
+            return
+        left = parallel.await_workers(session.config)
+        if self.guard is not None:
+            self.guard.waiting_over = True
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None and left:
+            tr.write_line(f"interrupted: {', '.join(left)} still stopping their servers after "
+                          f"{parallel.STOP_WAIT_S:.0f} s; pytest-xdist ends them now", red=True)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        import signal
+
+        if self.guard is not None and signal.getsignal(signal.SIGINT) is self.guard:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 @pytest.hookimpl(hookwrapper=True)

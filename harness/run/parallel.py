@@ -253,6 +253,51 @@ def await_workers(config, wait_s: float = STOP_WAIT_S) -> list[str]:
         time.sleep(0.2)
 
 
+class InterruptGuard:
+    """The SIGINT handler of a parallel run's controller. The first SIGINT stops the run
+    (KeyboardInterrupt, as Python's own handler); the ones after it are ignored while
+    the workers stop their servers (``await_workers``, at most ``wait_s`` after the
+    first). ``timeout --signal=INT`` (ci/gpu-run.sh's time limit) signals pytest and
+    then its whole process group, so the controller gets SIGINT twice; when the second
+    one came after the first had been handled, it ended the wait with a second
+    KeyboardInterrupt, and pytest-xdist killed the workers while they were still
+    stopping their servers (seen in a CPU CI run)."""
+
+    def __init__(self, wait_s: float = STOP_WAIT_S):
+        self.wait_s = wait_s
+        self.first: float | None = None  # monotonic time of the first SIGINT
+        self.waiting_over = False
+        self.ignored = 0
+
+    def __call__(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            raise KeyboardInterrupt
+        if not self.waiting_over and now - self.first < self.wait_s + GUARD_SLACK_S:
+            self.ignored += 1
+            return
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls, wait_s: float = STOP_WAIT_S) -> "InterruptGuard | None":
+        """Installs the guard where Python's own SIGINT handler is (or SIGINT is
+        ignored, as in a background job); a handler of the user's is left alone."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, signal.SIG_IGN):
+            return None
+        guard = cls(wait_s)
+        signal.signal(signal.SIGINT, guard)
+        return guard
+
+
+GUARD_SLACK_S = 5.0  # the guard's wait covers the controller's way into await_workers
+
+
 def _read(folder: Path, wid: str) -> dict | None:
     try:
         return json.loads((folder / RECORD_FILE.format(wid)).read_text())

@@ -208,6 +208,37 @@ def test_an_interrupted_controller_does_not_wait_for_a_worker_that_died(tmp_path
     assert state.worker_outputs["gw1"]["started"] == [{"url": "b"}]
 
 
+def test_the_controllers_guard_stops_once_then_waits_for_its_workers(monkeypatch):
+    """The first SIGINT stops the run; the next ones are ignored while the workers stop
+    their servers, and stop it again once that wait is over or out of time."""
+    clock = [100.0]
+    monkeypatch.setattr(parallel.time, "monotonic", lambda: clock[0])
+    guard = parallel.InterruptGuard(wait_s=60)
+    with pytest.raises(KeyboardInterrupt):
+        guard(signal.SIGINT, None)
+
+    def ignored():
+        try:
+            guard(signal.SIGINT, None)
+        except KeyboardInterrupt:  # not raised on: pytest would take it as the run's end
+            pytest.fail(f"a later SIGINT stopped the run {clock[0] - guard.first:.0f} s "
+                        "after the first")
+
+    ignored()                           # timeout(1)'s second SIGINT, to the group
+    clock[0] += 30
+    ignored()                           # a Ctrl-C while the workers stop their servers
+    assert guard.ignored == 2
+    clock[0] += 40                      # past the wait and its slack
+    with pytest.raises(KeyboardInterrupt):
+        guard(signal.SIGINT, None)
+    early = parallel.InterruptGuard(wait_s=60)
+    with pytest.raises(KeyboardInterrupt):
+        early(signal.SIGINT, None)
+    early.waiting_over = True           # the workers ended: Ctrl-C is Ctrl-C again
+    with pytest.raises(KeyboardInterrupt):
+        early(signal.SIGINT, None)
+
+
 def test_an_interrupted_parallel_run_reports_every_worker(pytester):
     """End to end, a real ``-n 2`` run interrupted as ci/gpu-run.sh's time limit does it
     (``timeout --signal=INT``: SIGINT to pytest, then to its process group) while a test
@@ -217,7 +248,10 @@ def test_an_interrupted_parallel_run_reports_every_worker(pytester):
     the job's kill 30 s after the interrupt took the controller before its report. Now
     the controller waits for its workers to end before pytest-xdist's kill: every
     worker ends its session, its final record is in the report, and the run is over
-    well before a kill 40 s after the interrupt."""
+    well before a kill 40 s after the interrupt. The second SIGINT comes 2 s after the
+    first, as on a loaded CI host where the controller had taken the first before the
+    second came: it ended the controller's wait with a second KeyboardInterrupt, and
+    both workers were killed (``parallel.InterruptGuard``)."""
     pytester.makeconftest("""
 import pathlib, os, time
 def pytest_sessionfinish(session):
@@ -253,6 +287,7 @@ def test_held():
             time.sleep(0.2)
         time.sleep(1.0)   # both workers are in their loops
         os.kill(proc.pid, signal.SIGINT)     # as timeout(1) does: pytest,
+        time.sleep(2.0)                      # (a loaded host: pytest has taken the first)
         os.killpg(proc.pid, signal.SIGINT)   # then its whole process group
         try:
             out = proc.communicate(timeout=40)[0]
@@ -265,7 +300,7 @@ def test_held():
             os.killpg(proc.pid, signal.SIGKILL)
     assert not killed, "the run outlived a kill 40 s after its interrupt: " + out[-3000:]
     done = sorted(p.name for p in pytester.path.glob("done-*"))
-    assert done == ["done-gw0", "done-gw1"], f"workers killed before their session ended: {done}"
+    assert done == ["done-gw0", "done-gw1"], f"workers killed before their session ended: {done}" + out[-3000:]
     rep = json.loads((pytester.path / "int.json").read_text())
     assert rep["timing"]["workers"] == 2, out[-3000:]
     assert rep["timing"]["workers_partial"] == [], out[-3000:]

@@ -307,6 +307,11 @@ class Pool:
     def stop_all(self):
         pass
 
+    class processes:  # the trainer processes, closed after the servers
+        @staticmethod
+        def close():
+            pass
+
 @pytest.fixture(autouse=True)
 def fake_pool(request):
     request.config.stash[STATE].pool = Pool()
