@@ -243,4 +243,11 @@ def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
     (``models.as_sent_path``)."""
     eager = cfg.enforce_eager if mode is None else mode == "eager"
     return dataclasses.replace(cfg, model=models.as_sent_path(str(weights_dir), cfg.dtype),
-                               load_format="auto", enforce_eager=eager)
+                               load_format="auto", enforce_eager=eager,
+                               backend=TWIN_BACKENDS.get(cfg.backend, cfg.backend))
+
+
+# A twin takes no update, so its weight-transfer backend is only a launch flag: the
+# GPU backends' servers share one twin (NCCL and CUDA IPC cases on one GPU layout), one
+# start fewer per engine in a run that selects both.
+TWIN_BACKENDS = {"nccl": "ipc"}

@@ -74,6 +74,20 @@ def test_the_twin_keeps_mode_and_features_unless_told_otherwise():
         server_config_for(_case(features=("fp8",)), "/m"), "/w")
 
 
+def test_the_nccl_and_ipc_servers_of_one_engine_share_their_twin():
+    """A twin takes no update: the NCCL case on its own GPU and the CUDA IPC case beside
+    the trainer load the same weights into the same engine on GPU 0, so one start serves
+    both; the synced servers stay apart, the backend being their launch flag."""
+    split = layouts.LAYOUTS["2gpu-split"]
+    for backend in ("nccl-packed", "nccl-unpacked"):
+        nccl = server_config_for(_case(split, backend), "/m")
+        ipc = server_config_for(_case(), "/m")
+        assert nccl != ipc
+        assert twin_config(nccl, "/w") == twin_config(ipc, "/w")
+    shm = server_config_for(_case(CPU, "shm", "float32"), "/m")
+    assert twin_config(shm, "/w").backend == "shm"
+
+
 def test_a_cpu_server_says_what_it_cannot_serve():
     for f in ("fp8", "sleep"):
         why = _case(CPU, "shm", features=(f,)).unsupported()
