@@ -232,6 +232,12 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
     return ServerConfig(**kw)
 
 
+# A twin takes no update, so its weight-transfer backend is only a launch flag: the
+# GPU backends' servers share one twin (NCCL and CUDA IPC cases on one GPU layout), one
+# start fewer per engine in a run that selects both.
+TWIN_BACKENDS = {"nccl": "ipc"}
+
+
 def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
                 mode: str | None = None) -> ServerConfig:
     """The same server, loading ``weights_dir`` from disk the normal way; one twin
@@ -246,8 +252,3 @@ def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
                                load_format="auto", enforce_eager=eager,
                                backend=TWIN_BACKENDS.get(cfg.backend, cfg.backend))
 
-
-# A twin takes no update, so its weight-transfer backend is only a launch flag: the
-# GPU backends' servers share one twin (NCCL and CUDA IPC cases on one GPU layout), one
-# start fewer per engine in a run that selects both.
-TWIN_BACKENDS = {"nccl": "ipc"}

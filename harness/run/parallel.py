@@ -186,6 +186,7 @@ def worker_output(state: Any) -> dict:
 RECORD_FILE = "worker-{}.json"  # in the folder: a worker's record, for a run cut short
 GATHER_WAIT_S = 20.0             # an interrupted run's wait for the workers' last records
 STOP_WAIT_S = 60.0               # an interrupted run's wait for the workers to stop servers
+GUARD_SLACK_S = 5.0              # InterruptGuard's too: the controller's way into that wait
 
 
 def save_record(config, state: Any, final: bool) -> None:
@@ -293,9 +294,6 @@ class InterruptGuard:
         guard = cls(wait_s)
         signal.signal(signal.SIGINT, guard)
         return guard
-
-
-GUARD_SLACK_S = 5.0  # the guard's wait covers the controller's way into await_workers
 
 
 def _read(folder: Path, wid: str) -> dict | None:
