@@ -135,6 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
     state = config.stash[STATE] = RunState(s)
+    parallel.share_threads(config)
     if parallel.ours(config) and not hasattr(config, "workerinput"):
         parallel.controller_dir()  # the workers, started after this, inherit its path
         config.pluginmanager.register(_GpuCaseCounter(state), "harness-gpu-cases")

@@ -560,6 +560,9 @@ class ReportPlugin:
                 # workers whose record is the last one they saved before the run was cut
                 "workers_partial": sorted(w for w, o in outputs.items()
                                           if o.get("record") == "partial"),
+                # each worker's torch threads (parallel.share_threads)
+                "worker_torch_threads": {w: o.get("torch_threads")
+                                         for w, o in sorted(outputs.items())},
                 # seconds from the session's start (the plugin's configure) until the
                 # pool was made, i.e. collection and planning
                 "pool_made_at": (round(pool.t0 - self.state.t0, 1) if pool is not None

@@ -83,6 +83,23 @@ def start_slots(config, host: _plan.Host) -> StartSlots | None:
     return StartSlots(os.environ[DIR_ENV], host.max_starting(), *share)
 
 
+def share_threads(config) -> int | None:
+    """A worker's torch threads (intra-op), set at its configure: the host's cores shared
+    out over the workers, at least one. torch gives every process one thread a core, so
+    eight workers on 16 cores ran 128 threads beside the servers' starts, each worker
+    computing its HF references on the CPU; the 1-minute load reached 39 on an H200 host
+    (docs/planning.md). A user's ``OMP_NUM_THREADS`` is left to torch. Returns the count
+    set, or None where nothing was set (no worker, one worker, OMP_NUM_THREADS given)."""
+    share = worker(config)
+    if share is None or share[1] < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    n = max(1, _plan.Host.this().cores // share[1])
+    torch.set_num_threads(n)
+    return n
+
+
 def worker_bounds(host: _plan.Host, configs, n: int) -> tuple[int, int]:
     """(servers starting at once, servers alive) for one of ``n`` workers: the host's
     bounds shared out, but at least one start and the three servers one test may hold
@@ -172,7 +189,10 @@ def write_partition(bins: list[int | None], ids: Sequence[str]) -> None:
 def worker_output(state: Any) -> dict:
     """What the controller needs of a worker's pool, JSON-safe."""
     pool = state.pool
+    import torch
+
     out: dict[str, Any] = {"pid": os.getpid(), "deselected": dict(state.deselected),
+                           "torch_threads": torch.get_num_threads(),
                            "gpu_cases": dict(state.gpu_cases), "stop_error": state.stop_error,
                            "plan": state.plan.as_dict(state.schedule) if state.plan else None,
                            "servers_planned": len(state.plan.servers) if state.plan else 0}

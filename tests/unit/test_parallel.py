@@ -309,7 +309,7 @@ def test_held():
 
 def test_each_test_says_when_it_began_and_on_which_worker(pytester):
     """The report's timeline: a real ``-n 2`` run of two modules, two tests each; every
-    test names its worker, and one worker's tests follow each other without overlap, in
+    test names its worker (and its torch threads, the cores shared out), and one worker's tests follow each other without overlap, in
     seconds on the clock of the servers' ``started_at``. A serial run names no worker."""
     for k in range(2):
         pytester.makepyfile(**{f"test_line{k}": """
@@ -319,13 +319,18 @@ def test_a():
 def test_b():
     time.sleep(0.6)
 """})
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HARNESS_", "PYTEST_")) and k != "OMP_NUM_THREADS"}
     for extra, name in ((["-n", "2"], "par.json"), ([], "ser.json")):
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *extra,
              "--harness-report", name, "-q"], cwd=pytester.path, timeout=120,
             env={**env, "HARNESS_REPORT_PROBES": "0"}, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # each worker's torch threads: the host's cores shared out, not one a core each
+    threads = json.loads((pytester.path / "par.json").read_text())["timing"]
+    assert threads["worker_torch_threads"] == {
+        w: max(1, P.Host.this().cores // 2) for w in ("gw0", "gw1")}, threads
     par = json.loads((pytester.path / "par.json").read_text())["tests"]
     ser = json.loads((pytester.path / "ser.json").read_text())["tests"]
     assert {t["worker"] for t in par} <= {"gw0", "gw1"} and len(par) == 4
