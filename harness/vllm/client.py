@@ -264,6 +264,13 @@ class ServerClient:
             return self._call("POST", "/wake_up",
                               params={"tags": list(tags)} if tags else None, timeout=timeout)
 
+    def alone_on_the_gpu(self, what: str):
+        """A block of sleeps and wakes that holds the GPU-memory lock alone throughout
+        (``memory_lock``): one wait for the other servers' starts under way, not one per
+        sleep. Starts queue behind it, so keep the block to the sleeps and the checks
+        between them. Does nothing outside a parallel run on a GPU host."""
+        return memory_lock.held(True, what, on_wait=self.on_lock_wait)
+
     def is_sleeping(self, timeout: float | None = None) -> bool:
         return bool(self._call("GET", "/is_sleeping", timeout=timeout)["is_sleeping"])
 

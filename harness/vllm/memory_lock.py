@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,6 +34,7 @@ from typing import Callable, Iterator
 DIR_ENV = "HARNESS_XDIST_DIR"   # the parallel run's shared folder (harness.run.parallel)
 WAIT_S = 900.0                  # a start's own limit is about this long
 log = logging.getLogger(__name__)
+_mine = threading.local()       # .path: the lock this thread holds alone, if any
 
 
 def _path() -> Path | None:
@@ -67,11 +69,24 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
     H100 with eight workers while the engine's wake took 0.004 s (the fourteenth GPU
     visit): read from those timings, it waited out the sleeps queued before it, and
     each of those the starts under way. That skipping the turnstile shortens a GPU run
-    is not measured yet."""
+    is not measured yet.
+
+    Inside a thread's own exclusive hold, a sleep or a wake of that thread holds it
+    already and goes ahead at once. A test that sleeps several times holds the lock
+    alone across them (``ServerClient.alone_on_the_gpu``): one wait for the starts under
+    way instead of one per sleep, each sleep waiting out the starts that slipped in
+    since the last (on an H100, a 3-cycle test waited 263 s of its 266 s). Other
+    threads of the process, a worker's start threads among them, wait as any holder
+    elsewhere does."""
     path = (path or _path()) if gpu else None
     wait_s = WAIT_S if wait_s is None else wait_s
     if path is None:
         yield False
+        return
+    if getattr(_mine, "path", None) == path:  # inside this thread's own hold: alone already
+        if on_wait is not None:
+            on_wait(0.0)
+        yield True
         return
     path.parent.mkdir(parents=True, exist_ok=True)  # the run's folder, if it went early
     t0 = time.monotonic()
@@ -90,9 +105,13 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
                         "without it", what, wait_s)
             yield False
             return
+        if exclusive:
+            _mine.path = path
         try:
             yield True
         finally:
+            if exclusive:
+                _mine.path = None
             fcntl.flock(f, fcntl.LOCK_UN)
 
 

@@ -205,3 +205,34 @@ def test_a_wake_does_not_queue_behind_a_sleep_that_waits_for_starts(tmp_path):
         let_go()
         sleeping.join(timeout=BOUND_S)
         assert slept == [True], "the sleep did not get the lock once the start was done"
+
+
+def test_a_thread_holding_the_lock_alone_sleeps_and_wakes_inside_it_at_once(tmp_path):
+    """A test that sleeps several times holds the lock alone across them
+    (``ServerClient.alone_on_the_gpu``): its own sleeps and wakes go ahead at once,
+    while a start in another thread of the same process, or in another process, waits
+    until the block ends."""
+    path = tmp_path / "gpu-memory.lock"
+    waits: list[float] = []
+    with memory_lock.held(True, "three sleep/wake cycles", path=path, wait_s=BOUND_S) as got:
+        assert got
+        for _ in range(3):
+            for exclusive, queue in ((True, True), (False, False)):   # a sleep, a wake
+                t0 = time.monotonic()
+                with memory_lock.held(exclusive, "inside", path=path, wait_s=BOUND_S,
+                                      on_wait=waits.append) as inner:
+                    waited = time.monotonic() - t0
+                assert inner and waited < LET_GO_S, (
+                    f"a sleep or a wake inside its own thread's hold waited {waited:.2f} s")
+        started = threading.Event()
+
+        def start():
+            with memory_lock.held(False, "a start", path=path, wait_s=BOUND_S):
+                started.set()
+
+        threading.Thread(target=start, daemon=True).start()
+        assert not started.wait(LET_GO_S), "a start of another thread went ahead inside the hold"
+    assert started.wait(BOUND_S), "the start never went ahead after the hold ended"
+    assert waits == [0.0] * 6
+    with memory_lock.held(False, "a start after it", path=path, wait_s=0.5) as got:
+        assert got, "the hold was not let go"
