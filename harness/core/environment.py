@@ -44,14 +44,30 @@ def versions(extra: Iterable[str] = ()) -> dict:
 
 
 def host() -> dict:
-    """The Python, the platform, the machine and its CPU count."""
+    """The Python, the platform, the machine, its CPU model and count. Two GPU runs on
+    the same card ran at half each other's pace (reports/gpu/README.md, the eighteenth
+    visit) with only the kernel's build string to tell their hosts apart."""
     return {"python": platform.python_version(), "platform": platform.platform(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count()}
+            "machine": platform.machine(), "cpu_model": cpu_model(),
+            "cpu_count": os.cpu_count()}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``); None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "model name":
+                    return value.strip() or None
+    except OSError:
+        return None
+    return None
 
 
 # What a report records of the environment; a known-issue entry's `unless_env` may only
 # name these, so that a report can show whether its workaround was set.
-REPORTED_ENV = ("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES", "TRITON_")
+REPORTED_ENV = ("VLLM_", "HARNESS_", "CUDA_VISIBLE_DEVICES", "TRITON_", "OMP_NUM_THREADS")
 
 
 def env_vars(prefixes: tuple[str, ...] = REPORTED_ENV) -> dict:

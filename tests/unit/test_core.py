@@ -361,3 +361,18 @@ def test_cpu_ranks_get_cores_of_their_own(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     with pytest.raises(ServerError, match="2 parallel CPU ranks need 2 cores, 1 available"):
         cpu_binding(2)
+
+
+def test_the_host_facts_name_the_cpu_model_and_the_torch_threads_setting(monkeypatch):
+    """Two GPU runs on the same card, half each other's pace, could be told apart only by
+    the kernel's build string: the report header now names the CPU model, and the
+    OMP_NUM_THREADS that a side-by-side worker's torch threads defer to."""
+    import re
+    from pathlib import Path
+
+    from harness.core import environment
+
+    m = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    assert environment.host()["cpu_model"] == (m.group(1).strip() if m else None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert environment.env_vars()["OMP_NUM_THREADS"] == "3"

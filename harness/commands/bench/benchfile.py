@@ -4,7 +4,7 @@
 through this module, which imports nothing heavy. The file::
 
     {"kind": "harness-bench", "schema": 1,
-     "header": {vllm, torch, harness, python, machine, cpu_count,
+     "header": {vllm, torch, harness, python, machine, cpu_model, cpu_count,
                 gpus: {present, used, names}, options: {backends, layouts, sizes_gb,
                 dtype, warm, ...}, argv, env, start_time, wall_seconds, complete},
      "models": [{size_gb, name, bytes, params, tensors, hidden_size, layers, ...}],
