@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -87,9 +88,11 @@ def share_threads(config) -> int | None:
     """A worker's torch threads (intra-op), set at its configure: the host's cores shared
     out over the workers, at least one. torch gives every process one thread a core, so
     eight workers on 16 cores ran 128 threads beside the servers' starts, each worker
-    computing its HF references on the CPU; the 1-minute load reached 39 on an H200 host
-    (docs/planning.md). A user's ``OMP_NUM_THREADS`` is left to torch. Returns the count
-    set, or None where nothing was set (no worker, one worker, OMP_NUM_THREADS given)."""
+    computing its HF references on the CPU; the 1-minute load reached 39 on an H200 host.
+    That the cap shortens a GPU run is not shown: on an H100 the references took 18.8 s
+    with it and 18.4 s without (docs/planning.md). A user's ``OMP_NUM_THREADS`` is left
+    to torch. Returns the count set, or None where nothing was set (no worker, one
+    worker, OMP_NUM_THREADS given)."""
     share = worker(config)
     if share is None or share[1] < 2 or os.environ.get("OMP_NUM_THREADS"):
         return None
@@ -189,10 +192,9 @@ def write_partition(bins: list[int | None], ids: Sequence[str]) -> None:
 def worker_output(state: Any) -> dict:
     """What the controller needs of a worker's pool, JSON-safe."""
     pool = state.pool
-    import torch
-
+    torch = sys.modules.get("torch")  # not imported for it
     out: dict[str, Any] = {"pid": os.getpid(), "deselected": dict(state.deselected),
-                           "torch_threads": torch.get_num_threads(),
+                           "torch_threads": torch.get_num_threads() if torch else None,
                            "gpu_cases": dict(state.gpu_cases), "stop_error": state.stop_error,
                            "plan": state.plan.as_dict(state.schedule) if state.plan else None,
                            "servers_planned": len(state.plan.servers) if state.plan else 0}
