@@ -8,6 +8,8 @@ their resident memory, and GPU memory (NVML, or ``nvidia-smi`` where NVML is mis
   ``ServerMemory``: a server's GPU memory sampled during a sync, its peak above the
   baseline (``harness bench``); ``gpu_used_mib``: each GPU's used memory (the pool's
   host-load samples);
+* ``cpu_times`` / ``cpu_use``: what the host's cores did over a run (busy, idle,
+  stolen by a hypervisor), so a report says whether the run was CPU-bound;
 * a trainer's own GPU memory is read inside its process, by torch
   (``torch.cuda.max_memory_allocated``, harness/trainer/handle.py).
 
@@ -17,6 +19,7 @@ Nothing here imports torch or vLLM: the pytest process must never load CUDA.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -234,3 +237,41 @@ def host_load() -> dict:
 
     return {"load1": round(os.getloadavg()[0], 2), "cores": len(os.sched_getaffinity(0)),
             "gpu_used_mib": gpu_used_mib() or []}
+
+
+# ----------------------------------------------------------------------------- CPU time
+
+# /proc/stat's columns after "cpu", in clock ticks: user nice system idle iowait irq
+# softirq steal (guest time is counted in user already)
+_BUSY = (0, 1, 2, 5, 6)
+
+
+def cpu_times(path: str = "/proc/stat") -> dict | None:
+    """The host's CPU time since boot, in seconds, its cores together: ``busy`` (user,
+    nice, system, irq, softirq), ``idle``, ``iowait`` and ``steal`` (time a virtual
+    machine's cores were ready but ran the hypervisor's other guests), and ``cores``
+    (the ``cpuN`` lines). None where there is no /proc/stat (not Linux)."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return None
+    total = next((ln.split()[1:] for ln in lines if ln.startswith("cpu ")), None)
+    if total is None:
+        return None
+    ticks = [int(x) for x in total] + [0] * 8
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"cores": sum(1 for ln in lines if re.match(r"cpu\d+ ", ln)),
+            "busy": sum(ticks[i] for i in _BUSY) / hz, "idle": ticks[3] / hz,
+            "iowait": ticks[4] / hz, "steal": ticks[7] / hz}
+
+
+def cpu_use(before: dict | None, after: dict | None) -> dict | None:
+    """What the host's cores did between two ``cpu_times``: seconds of each kind, all
+    cores together, and ``available``, their sum (about the wall time times the cores).
+    ``busy / available`` near 1 means the run waited on CPU; every field adds up over
+    the shards of one run."""
+    if before is None or after is None:
+        return None
+    use = {k: round(after[k] - before[k], 1) for k in ("busy", "idle", "iowait", "steal")}
+    return {"cores": after["cores"], **{f"{k}_seconds": v for k, v in use.items()},
+            "available_seconds": round(sum(use.values()), 1)}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.core import measure
 from harness.models import ModelUnavailable
 from harness.pytest import selection as _selection
 from harness.pytest import parametrize, summary
@@ -67,6 +68,7 @@ class RunState:
 
     settings: _settings.Settings
     t0: float = dataclasses.field(default_factory=time.monotonic)
+    cpu0: dict | None = dataclasses.field(default_factory=measure.cpu_times)  # the host's
     pool: ServerPool | None = None
     deselected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     dropped: list = dataclasses.field(default_factory=list)  # (reason, item) the harness deselected

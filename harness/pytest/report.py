@@ -57,7 +57,7 @@ from typing import Any
 
 import pytest
 
-from harness.core import environment
+from harness.core import environment, measure
 from harness.pause.openapi import pause_capabilities  # the pause checks' own parse
 from harness.run.parallel import MergedPool, gather_records
 from harness.run.pool import start_seconds_by_mode
@@ -570,6 +570,9 @@ class ReportPlugin:
                 "phase_seconds_sum": phases,
                 # the host's 1-minute load and GPU memory every few seconds
                 "host_samples": list(pool.samples) if pool is not None else [],
+                # what the host's cores did from the session's start until now
+                "host_cpu": measure.cpu_use(getattr(self.state, "cpu0", None),
+                                            measure.cpu_times()),
                 "test_seconds_sum": round(sum(t.get("duration") or 0 for t in tests), 1),
                 # trainers that took over a spare started ahead (imports done)
                 "trainer_spares": _spares_figures(pool),

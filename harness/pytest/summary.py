@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harness.core import environment
+from harness.core import environment, measure
 from harness.pytest import selection as _selection
 from harness.pytest import settings as _settings
 from harness.run import parallel
@@ -78,6 +78,12 @@ def terminal_summary(terminalreporter, config: pytest.Config, state) -> None:
                       f"{f['restarts']} restarts, {len(pool.resets)} resets; start time "
                       f"{f['start_seconds_sum']:.0f}s summed, {f['start_wall_seconds']:.0f}s "
                       f"wall; suite wall time {time.monotonic() - state.t0:.1f}s")
+        cpu = measure.cpu_use(state.cpu0, measure.cpu_times())
+        if cpu is not None and cpu["available_seconds"] > 0:
+            tr.write_line(f"host CPU: {cpu['cores']} cores "
+                          f"{100 * cpu['busy_seconds'] / cpu['available_seconds']:.0f}% busy "
+                          f"({cpu['busy_seconds']:.0f}s of {cpu['available_seconds']:.0f}s), "
+                          f"steal {cpu['steal_seconds']:.0f}s, iowait {cpu['iowait_seconds']:.0f}s")
         by_mode = start_seconds_by_mode(pool.started)
         if len(by_mode) > 1 or set(by_mode) - {"eager"}:
             tr.write_line("start time by serving mode: " + "; ".join(

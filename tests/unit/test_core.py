@@ -376,3 +376,30 @@ def test_the_host_facts_name_the_cpu_model_and_the_torch_threads_setting(monkeyp
     assert environment.host()["cpu_model"] == (m.group(1).strip() if m else None)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert environment.env_vars()["OMP_NUM_THREADS"] == "3"
+
+
+def test_the_hosts_cpu_use_is_read_per_kind_and_adds_up(tmp_path):
+    """A report says whether a run waited on CPU: /proc/stat's ticks become seconds of
+    busy (user, nice, system, irq, softirq), idle, iowait and steal, and a run's use is
+    the difference of two readings; without /proc/stat there is no figure."""
+    import os
+
+    from harness.core import measure
+
+    hz = os.sysconf("SC_CLK_TCK")
+
+    def stat(*ticks):
+        #           user nice system idle iowait irq softirq steal guest guest_nice
+        p = tmp_path / f"stat{ticks[0]}"
+        p.write_text(f"cpu  {' '.join(str(t * hz) for t in ticks)} 0 0\n"
+                     "cpu0 1 2 3 4 5 6 7 8 0 0\ncpu1 1 2 3 4 5 6 7 8 0 0\nintr 5 0\n")
+        return measure.cpu_times(str(p))
+
+    a = stat(10, 1, 5, 100, 3, 1, 2, 4)
+    assert a == {"cores": 2, "busy": 19, "idle": 100, "iowait": 3, "steal": 4}
+    b = stat(40, 1, 15, 120, 4, 1, 7, 10)
+    assert measure.cpu_use(a, b) == {"cores": 2, "busy_seconds": 45, "idle_seconds": 20,
+                                     "iowait_seconds": 1, "steal_seconds": 6,
+                                     "available_seconds": 72}
+    assert measure.cpu_times(str(tmp_path / "none")) is None
+    assert measure.cpu_use(None, b) is None

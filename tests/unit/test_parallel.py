@@ -309,7 +309,8 @@ def test_held():
 
 def test_each_test_says_when_it_began_and_on_which_worker(pytester):
     """The report's timeline: a real ``-n 2`` run of two modules, two tests each; every
-    test names its worker (and its torch threads, the cores shared out), and one worker's tests follow each other without overlap, in
+    test names its worker (and its torch threads, the cores shared out; the host's CPU
+    use covers the run), and one worker's tests follow each other without overlap, in
     seconds on the clock of the servers' ``started_at``. A serial run names no worker."""
     for k in range(2):
         pytester.makepyfile(**{f"test_line{k}": """
@@ -331,6 +332,11 @@ def test_b():
     threads = json.loads((pytester.path / "par.json").read_text())["timing"]
     assert threads["worker_torch_threads"] == {
         w: max(1, P.Host.this().cores // 2) for w in ("gw0", "gw1")}, threads
+    # the host's cores over the whole run, as the controller saw them from its start
+    cpu, wall = threads["host_cpu"], json.loads((pytester.path / "par.json").read_text())[
+        "header"]["wall_seconds"]
+    assert cpu["busy_seconds"] > 0, cpu
+    assert abs(cpu["available_seconds"] / cpu["cores"] - wall) < 0.25 * wall + 2, (cpu, wall)
     par = json.loads((pytester.path / "par.json").read_text())["tests"]
     ser = json.loads((pytester.path / "ser.json").read_text())["tests"]
     assert {t["worker"] for t in par} <= {"gw0", "gw1"} and len(par) == 4
