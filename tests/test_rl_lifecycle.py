@@ -180,6 +180,7 @@ def test_bad_input_on_the_rl_routes_is_refused_with_400(awake, bad):
                                             f"/weight_info from {version!r}")
 
 
+@pytest.mark.sleeps
 def test_wake_up_with_an_unknown_tag_changes_nothing_and_is_refused(awake):
     """``/wake_up?tags=no_such_tag``, awake and asleep. The state must not change (asleep
     stays asleep, one full wake then wakes), and the tag should be refused as bad input.
@@ -205,6 +206,7 @@ def test_wake_up_with_an_unknown_tag_changes_nothing_and_is_refused(awake):
 
 # ----------------------------------------------------------------------------- state machine
 
+@pytest.mark.sleeps
 def test_double_sleep_and_wake_while_awake_are_harmless(awake):
     """A wake while awake, then two sleeps in a row: every call answers, one wake then
     wakes the server fully, and it serves what it served before (to 1e-3)."""
@@ -230,6 +232,7 @@ def test_double_sleep_and_wake_while_awake_are_harmless(awake):
     same_server(s, golden, ref, "after a wake while awake, a double sleep and one wake")
 
 
+@pytest.mark.sleeps
 @pytest.mark.parametrize("level", [0, 1])
 def test_logprobs_before_and_after_a_sleep_agree(awake, level):
     """The same server before and after sleep(level) and a wake, at 1e-3 (against
@@ -246,6 +249,7 @@ def test_logprobs_before_and_after_a_sleep_agree(awake, level):
     s.record(level=level, same_server_max_abs_dlogprob=r.max_abs)
 
 
+@pytest.mark.sleeps
 @pytest.mark.parametrize("cycles", [3, 5])
 def test_sleep_wake_cycles_are_stable(awake, cycles):
     """``cycles`` rounds of sleep(1) and wake: after each the server is awake, unpaused,
@@ -273,6 +277,7 @@ def test_sleep_wake_cycles_are_stable(awake, cycles):
                                          f"{rss[0]} to {rss[-1]} MiB over {cycles} cycles: {rss}")
 
 
+@pytest.mark.sleeps
 def test_rl_steps_sleep_wake_weights_sync_wake_kv_cache(awake):
     """Three RL steps as a colocated trainer runs them: sleep(1); wake the weights
     alone (the server must still say it sleeps: scheduling waits for the KV cache);
@@ -348,6 +353,7 @@ SINGLES, ATTEMPTS = 6, 6  # requests beside the n=4 one; tries at catching them 
 LATE_S = 30.0  # after /sleep?mode=abort: a request still open by then is held, not running
 
 
+@pytest.mark.sleeps
 def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
     """Requests running (one with n=4) when ``/sleep?level=1&mode=abort`` comes: each
     ends, none hangs; those still running end with finish_reason "abort". A request
@@ -438,6 +444,7 @@ def test_sleep_with_abort_ends_running_requests_and_holds_new_ones(awake):
                                         f"{got}, not the model's {list(pr.greedy_ids)}")
 
 
+@pytest.mark.sleeps
 def test_a_half_woken_server_holds_requests_until_the_kv_cache_wakes(awake):
     """vLLM #44483's scheduler gate, as far as a CPU shows it: after sleep(1) and
     ``wake_up?tags=weights`` the server still sleeps; a request sent then is held (no
@@ -487,6 +494,7 @@ def _ops(c, name: str) -> dict[str, float | None]:
     return {op: metric_sum(m, name + "_count", operation=op) for op in ops}
 
 
+@pytest.mark.sleeps
 def test_metrics_follow_sleep_wake_and_weight_updates(awake):
     """``vllm:engine_sleep_state`` (awake / weights_offloaded / discard_all) follows
     sleep(1), sleep(0) and the wakes; the sleep-mode and weight-update operation
@@ -574,6 +582,7 @@ def _warm(s) -> float:
     return hits
 
 
+@pytest.mark.sleeps
 @pytest.mark.parametrize("level,flushed", [(0, False), (1, True)],
                          ids=["level0-kept", "level1-flushed"])
 def test_prefix_cache_across_a_sleep_by_cached_tokens(awake, level, flushed):

@@ -46,7 +46,7 @@ from harness.run.pool import State
 
 # One IPC variant: sleep and wake act on the server's memory, whichever way the trainer
 # packs the update (shm for the CPU layout, where the cases say why they skip).
-pytestmark = [pytest.mark.features("sleep"), pytest.mark.models("llama"),
+pytestmark = [pytest.mark.sleeps, pytest.mark.features("sleep"), pytest.mark.models("llama"),
               pytest.mark.dtypes("bfloat16"), pytest.mark.layouts("1gpu-colocated", "cpu"),
               pytest.mark.backends("ipc-packed", "shm")]
 

@@ -172,5 +172,6 @@ def need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
                       fresh=(item.get_closest_marker("fresh_server") is not None
                              or "synced" in getattr(item, "fixturenames", ())),
                       breaks=item.get_closest_marker("breaks_server") is not None,
+                      sleeps=item.get_closest_marker("sleeps") is not None,
                       trainer=case.backend.id + ("" if case.trainer == facts.DEFAULT_TRAINER
                                                  else f"+{case.trainer}"))

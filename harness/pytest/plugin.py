@@ -57,6 +57,8 @@ MARKERS = (
     "faults: bad input, protocol misuse, dying processes and leaks",
     "breaks_server: the test may leave its server unusable; it runs after every other "
     "test on that server, which is then stopped or restarted",
+    "sleeps: the test sleeps or wakes its server, a turn of the GPU-memory lock that waits "
+    "out other servers' starts on the GPU; it runs after the server's other tests",
     "bench: runs harness bench against real servers (timings, not parity)",
     "harness_deselect(reason): set by the harness on cases this run cannot or must not run",
 )

@@ -150,6 +150,7 @@ class Need:
     twin: ServerConfig | None = None
     fresh: bool = False    # never-synced (dummy or reset to dummy-equivalent) weights
     breaks: bool = False   # may leave its server unusable
+    sleeps: bool = False   # sleeps or wakes its server (the GPU-memory lock's turn)
     trainer: str = ""      # whose trainer it syncs with (backend variant, trainer code)
 
     @property
@@ -169,13 +170,15 @@ def group_key(cfg: ServerConfig) -> tuple:
 def order_key(need: Need | None) -> tuple:
     """Sort key of a test: tests without a server first (they run while the first
     servers start), then by server; within a server the tests that may break it last,
-    and before them each trainer's tests together, never-synced first, and those that
-    need a disk-loaded twin after the others, so that the server's tests begin while
-    its twin still starts."""
+    before them the tests that sleep or wake it (each waits for the GPU-memory lock,
+    that is for the other servers' starts under way on the GPU: late in a server's
+    chain, fewer are), and before those each trainer's tests together, never-synced
+    first, and those that need a disk-loaded twin after the others, so that the
+    server's tests begin while its twin still starts."""
     if need is None:
         return (0,)
-    return (1, group_key(need.server), need.breaks, need.twin is not None, need.trainer,
-            not need.fresh)
+    return (1, group_key(need.server), need.breaks, need.sleeps, need.twin is not None,
+            need.trainer, not need.fresh)
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -17,6 +17,8 @@ from harness.run.pool import ServerPool, State
 from harness.vllm.server import ServerConfig
 
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=141, ram_gib=128)
+# a whole GPU run whose tests' timings say which waited for the GPU-memory lock
+GPU_SLEEP_REPORT = "reports/gpu/h200-vllm-0.26.0-k-ipc-complete-786s.json"
 
 
 def _cfg(model="llama", dtype="float32", load="dummy"):
@@ -85,6 +87,56 @@ def test_each_trainers_tests_together_fresh_first_twins_then_breaking_tests_last
     assert [p.config for p in plan.servers] == [cfg, twin]
     assert plan.last_use() == {"t_break": [cfg], "t_twin": [twin]}
     assert plan.resets == []
+
+
+def test_tests_that_sleep_their_server_come_after_its_other_tests_before_breaking_ones():
+    """A sleep or a wake waits for the GPU-memory lock, that is for every start under way
+    on the GPU: on the nineteenth GPU visit (H200) the sleep tests in the middle of a chain
+    waited 376 s while the servers started, and 0-5 s each after the last start. So a
+    server's sleeping tests run after its other tests (twins' included), and a test
+    that may break the server still last."""
+    cfg, twin = _cfg(), _cfg(load="auto")
+    needs = [P.Need("t_break", cfg, breaks=True, trainer="ipc-packed"),
+             P.Need("t_sleep_u", cfg, sleeps=True, trainer="ipc-unpacked"),
+             P.Need("t_sleep", cfg, sleeps=True, trainer="ipc-packed"),
+             P.Need("t_twin_u", cfg, twin, trainer="ipc-unpacked"),
+             P.Need("t_plain_u", cfg, trainer="ipc-unpacked"),
+             P.Need("t_fresh", cfg, fresh=True, trainer="ipc-packed")]
+    ordered = sorted(needs, key=P.order_key)
+    assert [n.test for n in ordered] == ["t_fresh", "t_plain_u", "t_twin_u", "t_sleep",
+                                         "t_sleep_u", "t_break"]
+    plan = P.make_plan(ordered, HOST)
+    assert plan.restarts == [] and plan.resets == [] and plan.starts() == 2
+
+
+def test_every_test_that_waited_for_the_gpu_memory_lock_is_marked_sleeps():
+    """The order above needs the ``sleeps`` marker on every test that sleeps or wakes a
+    pool server. The committed GPU run's report says which waited for the lock (a
+    ``lock_wait`` in its timing); each such function must carry the marker, on itself
+    or on its module."""
+    import ast
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    report = json.loads((root / GPU_SLEEP_REPORT).read_text())
+    waited = {t["nodeid"].split("[")[0] for t in report["tests"]
+              if "lock_wait" in (t.get("timing") or {})}
+    assert len(waited) >= 20, waited
+
+    def sleeps(node) -> bool:
+        return any(ast.unparse(d).startswith("pytest.mark.sleeps")
+                   for d in (node.elts if isinstance(node, ast.List) else [node]))
+
+    marked = set()
+    for path in sorted((root / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module = any(isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "pytestmark"
+                     and sleeps(n.value) for n in tree.body)
+        marked |= {f"tests/{path.name}::{n.name}" for n in tree.body
+                   if isinstance(n, ast.FunctionDef)
+                   and (module or any(sleeps(d) for d in n.decorator_list))}
+    assert sorted(waited - marked) == []
 
 
 def test_a_fresh_test_after_a_sync_is_a_planned_reset_not_a_restart():
