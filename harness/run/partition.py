@@ -110,7 +110,15 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
     """Cut each server group that costs more than the fair share of ``n`` bins into
     replicas of about that share (at most ``n``). A replica keeps the order of its
     tests; the tests that need a twin all go to the first replica (one twin start),
-    the others are divided in run order, which keeps each trainer's tests together."""
+    the tests that sleep the server are dealt out in turn, one replica after another,
+    and the others are divided in run order, which keeps each trainer's tests together.
+
+    Dealt, not cut: a sleep waits for the GPU-memory lock, that is for every start
+    under way on the GPU (``harness.vllm.memory_lock``). Cut in run order, where they
+    come after the server's other tests (``plan.order_key``), all of them fell to the
+    last replica: on an H100 its worker waited 131 s for the lock and ended the run
+    73 s after the next (reports/gpu/README.md, the twentieth visit). Dealt, each
+    replica ends with its share of them, and their waits overlap."""
     total = sum(g.cost for g in gs)
     if n <= 1 or not total:
         return list(gs)
@@ -122,11 +130,17 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
             out.append(g)
             continue
         twinned = [i for i in g.tests if needs[i].twin is not None]
-        rest = [i for i in g.tests if needs[i].twin is None]
+        sleeping = [i for i in g.tests if needs[i].twin is None and needs[i].sleeps
+                    and not needs[i].breaks]
+        dealt = set(twinned) | set(sleeping)
+        rest = [i for i in g.tests if i not in dealt]
         start, test = _costs(host)
         chunks: list[list[int]] = [list(twinned)] + [[] for _ in range(k - 1)]
         loads = ([start * (1 + bool(twinned)) + sum(test(needs[i]) for i in twinned)]
                  + [start] * (k - 1))
+        for j, i in enumerate(sleeping):  # the last replica first: it ends the cut
+            chunks[k - 1 - j % k].append(i)
+            loads[k - 1 - j % k] += test(needs[i])
         # fill each replica up to the run's fair share, counting the starts the cut
         # adds; the last takes what is left, and a smaller group can join its bin
         per = max((sum(loads) + sum(test(needs[i]) for i in rest)) / k,

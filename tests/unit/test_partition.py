@@ -186,3 +186,28 @@ def test_the_twins_slow_tests_count_for_the_replica_that_takes_them(monkeypatch)
     first, second = partition.split_long(partition.groups(needs, host), 2, needs, host)
     assert first.tests == (0, 1) and len(second.tests) == 100
     assert (first.cost, second.cost) == (pytest.approx(2 * 45 + 100), pytest.approx(45 + 100))
+
+
+def test_the_tests_that_sleep_a_cut_server_are_dealt_to_every_replica(monkeypatch):
+    """The sleep tests come after a server's other tests (plan.order_key): cut in run
+    order, all six fell to the last replica, which then waited alone for the GPU-memory
+    lock (the twentieth GPU visit). Dealt, each of the three replicas ends with two of
+    them; the tests that may break the server still end the last replica alone."""
+    host = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
+    monkeypatch.setattr(durations, "table", lambda kind: {"test_parity": 1.0, "test_sleep": 5.0,
+                                                          "test_break": 1.0})
+    cfg = ServerConfig(model="/zoo/llama", backend="ipc", dtype="float32", device_ids=(0,))
+    needs = ([P.Need(f"tests/t.py::test_parity[{i}]", cfg) for i in range(90)]
+             + [P.Need(f"tests/t.py::test_sleep[{i}]", cfg, sleeps=True) for i in range(6)]
+             + [P.Need(f"tests/t.py::test_break[{i}]", cfg, breaks=True) for i in range(2)])
+    assert sorted(range(len(needs)), key=lambda i: P.order_key(needs[i])) == list(range(98))
+    gs = partition.split_long(partition.groups(needs, host), 3, needs, host)
+    assert [g.replica for g in gs] == [0, 1, 2]
+    sleeping = [[i for i in g.tests if needs[i].sleeps] for g in gs]
+    assert [len(s) for s in sleeping] == [2, 2, 2], sleeping
+    for g, s in zip(gs, sleeping):  # a replica's sleeps end it (before any break)
+        plain = [i for i in g.tests if not needs[i].sleeps and not needs[i].breaks]
+        assert plain and max(plain) < min(s), g.tests
+    assert [i for g in gs[:2] for i in g.tests if needs[i].breaks] == []
+    assert gs[2].tests[-2:] == (96, 97)
+    assert sorted(i for g in gs for i in g.tests) == list(range(98))
