@@ -118,7 +118,8 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
     come after the server's other tests (``plan.order_key``), all of them fell to the
     last replica: on an H100 its worker waited 131 s for the lock and ended the run
     73 s after the next (reports/gpu/README.md, the twentieth visit). Dealt, each
-    replica ends with its share of them, and their waits overlap."""
+    replica ends with its share of them, and their waits overlap (a hypothesis until
+    a GPU run shows it)."""
     total = sum(g.cost for g in gs)
     if n <= 1 or not total:
         return list(gs)
@@ -138,7 +139,7 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
         chunks: list[list[int]] = [list(twinned)] + [[] for _ in range(k - 1)]
         loads = ([start * (1 + bool(twinned)) + sum(test(needs[i]) for i in twinned)]
                  + [start] * (k - 1))
-        for j, i in enumerate(sleeping):  # the last replica first: it ends the cut
+        for j, i in enumerate(sleeping):  # in turn, from the last replica backwards
             chunks[k - 1 - j % k].append(i)
             loads[k - 1 - j % k] += test(needs[i])
         # fill each replica up to the run's fair share, counting the starts the cut
