@@ -186,7 +186,7 @@ for v in "${RELEASES[@]}"; do
   report=$REPORTS/cpu-vllm-$v.json
   out=$LOG_DIR/cpu-vllm-$v.log
   log "vllm $v: pytest $PYTEST_ARGS --harness-report $report"
-  rm -f "$report"
+  rm -f "$report" "$report.gz"  # a committed report of the release is superseded by this run
   t0=$SECONDS
   set +e
   (cd "$SRC" && eval "\"$venv/bin/python\" -m pytest -q -p no:cacheprovider $PYTEST_ARGS --harness-report \"$report\"") \
@@ -204,7 +204,8 @@ for v in "${RELEASES[@]}"; do
 done
 
 last=$MATRIX_ROOT/vllm-${RELEASES[-1]}
-(cd "$SRC" && "$last/bin/python" -m harness.commands.matrix "$REPORTS"/cpu-vllm-*.json) > "$REPORTS/matrix.txt"
+shopt -s nullglob  # the reports kept compressed (.json.gz) and this run's (.json)
+(cd "$SRC" && "$last/bin/python" -m harness.commands.matrix "$REPORTS"/cpu-vllm-*.json "$REPORTS"/cpu-vllm-*.json.gz) > "$REPORTS/matrix.txt"
 cat "$REPORTS/matrix.txt"
 log "table written to $REPORTS/matrix.txt"
 exit $rc_all

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from harness.core import reportfile
 from harness.run import durations
 
 
@@ -25,8 +26,8 @@ class BadInput(Exception):
 
 def load(path: str) -> dict:
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        report = json.loads(reportfile.read_text(path))
+    except (OSError, ValueError) as e:
         raise BadInput(f"cannot read {path}: {e}") from None
     if not isinstance(report, dict) or "tests" not in report:
         raise BadInput(f"{path}: not a run report (no tests)")

@@ -24,8 +24,8 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 
+from harness.core import reportfile
 from harness.core.facts import run_command
 
 WIDTH = 120
@@ -58,7 +58,7 @@ def load(paths: list[str]) -> list[tuple[str, dict]]:
     out = []
     for p in paths:
         try:
-            data = json.loads(Path(p).read_text(encoding="utf-8"))
+            data = json.loads(reportfile.read_text(p))
         except (OSError, ValueError) as e:
             raise BadInput(f"{p}: cannot read a JSON report: {e}") from None
         if not isinstance(data, dict) or "header" not in data or "tests" not in data:

@@ -1,1 +1,1 @@
-"""Facts every part of the harness uses: the vLLM version and dtypes, text that fits a width, process and GPU memory, the run's environment header. Imports nothing else of the harness but the portable core."""
+"""Facts every part of the harness uses: the vLLM version and dtypes, text that fits a width, process and GPU memory, the run's environment header, a report file's text (plain or gzip). Imports nothing else of the harness but the portable core."""

@@ -135,9 +135,10 @@ def load_report(path: str) -> dict:
     """A run report, or ValueError naming the file and what is wrong with it."""
     import json
 
+    from harness.core import reportfile
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(reportfile.read_text(path))
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read a JSON report: {e}") from None
     if not isinstance(data, dict) or "header" not in data or "tests" not in data:

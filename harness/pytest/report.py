@@ -57,7 +57,7 @@ from typing import Any
 
 import pytest
 
-from harness.core import environment, measure
+from harness.core import environment, measure, reportfile
 from harness.pause.openapi import pause_capabilities  # the pause checks' own parse
 from harness.run.parallel import MergedPool, gather_records
 from harness.run.pool import start_seconds_by_mode
@@ -305,7 +305,7 @@ def earlier_run_tests(path: Path) -> int:
     """How many tests the report at ``path`` holds (0: none there, not a report, or the
     report of a run that ran nothing, such as a plan)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(reportfile.read_text(path))
     except (OSError, ValueError):
         return 0
     tests = data.get("tests") if isinstance(data, dict) else None

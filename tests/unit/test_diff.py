@@ -489,10 +489,10 @@ def test_output_fits_120_columns(tmp_path, capsys):
 def test_committed_reports_still_diff(capsys):
     """The reports in reports/ (schema 1) are what users compare against."""
     root = Path(__file__).resolve().parents[2] / "reports"
-    old, new = root / "cpu-vllm-0.27.1.json", root / "cpu-vllm-0.32.0.json"
-    gpu_ipc = root / "gpu/h200x2-vllm-0.26.0-ipc.json"
-    gpu_nccl = root / "gpu/h200x2-vllm-0.26.0-nccl-shm.json"
-    gpu1 = root / "gpu/h200-vllm-0.26.0-pause-resume-ipc.json"
+    old, new = root / "cpu-vllm-0.27.1.json.gz", root / "cpu-vllm-0.32.0.json.gz"
+    gpu_ipc = root / "gpu/h200x2-vllm-0.26.0-ipc.json.gz"
+    gpu_nccl = root / "gpu/h200x2-vllm-0.26.0-nccl-shm.json.gz"
+    gpu1 = root / "gpu/h200-vllm-0.26.0-pause-resume-ipc.json.gz"
 
     assert diff.main([str(old), str(new), "--json"]) == 1
     regressions = json.loads(capsys.readouterr().out)["regressions"]
@@ -533,7 +533,7 @@ def test_a_newer_schema_is_read(tmp_path, capsys):
 # ----------------------------------------------------------------------------- readable text
 
 ROOT = Path(__file__).resolve().parents[2]
-OLD, NEW = ROOT / "reports" / "cpu-vllm-0.27.1.json", ROOT / "reports" / "cpu-vllm-0.32.0.json"
+OLD, NEW = ROOT / "reports" / "cpu-vllm-0.27.1.json.gz", ROOT / "reports" / "cpu-vllm-0.32.0.json.gz"
 
 
 def _committed_text(monkeypatch, capsys, columns: str | None) -> str:

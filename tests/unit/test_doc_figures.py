@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+from harness.core import reportfile
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,11 +17,11 @@ def test_reports_readme_counts_match_the_committed_reports():
     """reports/README.md said 749 tests for cpu-vllm-0.32.0-suite.json, whose summary
     totals 768."""
     text = (ROOT / "reports" / "README.md").read_text()
-    found = re.findall(r"`([\w.-]+\.json)`:[\s\S]{0,300}?(\d+) tests, (\d+) passed, (\d+) known "
+    found = re.findall(r"`([\w.-]+\.json(?:\.gz)?)`:[\s\S]{0,300}?(\d+) tests, (\d+) passed, (\d+) known "
                        r"issues, (\d+) skipped, (\d+) failed", text, re.S)
     assert found, "no report figures found in reports/README.md"
     for name, total, passed, known, skipped, failed in found:
-        summary = json.loads((ROOT / "reports" / name).read_text())["summary"]
+        summary = json.loads(reportfile.read_text(ROOT / "reports" / name))["summary"]
         stated = {"total": int(total), "passed": int(passed), "xfailed": int(known),
                   "skipped": int(skipped), "failed": int(failed)}
         assert stated == {k: summary.get(k, 0) for k in stated}, name

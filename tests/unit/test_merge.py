@@ -19,16 +19,17 @@ from harness.commands import cli
 from harness.commands import diff
 from harness.commands import matrix
 from harness.commands.merge import MergeError, merge_reports
+from harness.core import reportfile
 from harness.known_issues.verify import verify
 from harness.pytest.report import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
-WHOLE = ROOT / "reports" / "gpu" / "h200-vllm-0.26.0-k-ipc-green.json"
+WHOLE = ROOT / "reports" / "gpu" / "h200-vllm-0.26.0-k-ipc-green.json.gz"
 
 
 @pytest.fixture(scope="module")
 def whole() -> dict:
-    return json.loads(WHOLE.read_text())
+    return json.loads(reportfile.read_text(WHOLE))
 
 
 def _shard(whole: dict, k: int, cut: int) -> dict:

@@ -12,13 +12,14 @@ import threading
 import pytest
 
 from child_pytest import CPU_HOST, H200_HOST, NO_GPU
+from harness.core import reportfile
 from harness.run import plan as P
 from harness.run.pool import ServerPool, State
 from harness.vllm.server import ServerConfig
 
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=141, ram_gib=128)
 # a whole GPU run whose tests' timings say which waited for the GPU-memory lock
-GPU_SLEEP_REPORT = "reports/gpu/h200-vllm-0.26.0-k-ipc-complete-786s.json"
+GPU_SLEEP_REPORT = "reports/gpu/h200-vllm-0.26.0-k-ipc-complete-786s.json.gz"
 
 
 def _cfg(model="llama", dtype="float32", load="dummy"):
@@ -119,7 +120,7 @@ def test_every_test_that_waited_for_the_gpu_memory_lock_is_marked_sleeps():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    report = json.loads((root / GPU_SLEEP_REPORT).read_text())
+    report = json.loads(reportfile.read_text(root / GPU_SLEEP_REPORT))
     waited = {t["nodeid"].split("[")[0] for t in report["tests"]
               if "lock_wait" in (t.get("timing") or {})}
     assert len(waited) >= 20, waited

@@ -34,6 +34,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
+from harness.core import reportfile
+
 KIND = "harness-bench"
 SCHEMA = 1
 GB = 1e9
@@ -165,7 +167,7 @@ def new_document(header: dict) -> dict:
 def load(path: Path) -> dict:
     """A bench file, checked; BenchFileError names what is wrong with it."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        doc = json.loads(reportfile.read_text(path))
     except FileNotFoundError:
         raise BenchFileError(f"cannot read {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -174,6 +176,8 @@ def load(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise BenchFileError(f"cannot read {path}: not JSON (line {e.lineno} column "
                              f"{e.colno})") from None
+    except ValueError as e:  # gzip that does not decompress
+        raise BenchFileError(f"cannot read {path}: {e}") from None
     check(doc, path)
     return doc
 

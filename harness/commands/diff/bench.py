@@ -15,7 +15,7 @@ from harness.commands.bench import benchfile
 from harness.commands.diff.common import (INFO, REGRESSION, BadInput, _count, _fmt, _num, _rel,
                                           _verdict, describe_host, host, output_width, para, table,
                                           unlike)
-from harness.core import text
+from harness.core import reportfile, text
 
 BENCH_KIND = benchfile.KIND
 
@@ -24,7 +24,7 @@ def file_kind(path: Path) -> str | None:
     """The ``kind`` a JSON file declares (bench files do), or None when it declares none
     or cannot be read (``load`` then says what is wrong)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(reportfile.read_text(path))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return data.get("kind") if isinstance(data, dict) else None

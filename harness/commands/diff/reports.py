@@ -14,7 +14,7 @@ from pathlib import Path
 from harness.commands.diff.common import (FAILING, INFO, KNOWN_SCHEMA, LEVELS, PASSING, REGRESSION,
                                           WARN, BadInput, _beyond, _count, _fmt, _num, _ran, _rel,
                                           describe_host, host, unlike)
-from harness.core import text
+from harness.core import reportfile, text
 from harness.core.facts import UnknownDtype, canonical_dtype
 from harness.oracles import parity
 from harness.pause.openapi import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
@@ -55,7 +55,7 @@ def load(path: Path) -> dict:
         return BadInput(f"cannot read {path}: {why}")
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = reportfile.read_text(path)
     except FileNotFoundError:
         raise bad("no such file") from None
     except IsADirectoryError:
@@ -64,6 +64,8 @@ def load(path: Path) -> dict:
         raise bad("permission denied") from None
     except UnicodeDecodeError:
         raise bad("not JSON (not UTF-8 text)") from None
+    except ValueError as e:  # gzip that does not decompress
+        raise bad(str(e)) from None
     except OSError as e:
         raise bad(e.strerror or type(e).__name__) from None
     try:
