@@ -8,6 +8,8 @@ version inside the entry's ``affected`` specifier set (and on a matching host), 
 * it fails as described -> XFAIL, reported as "known", not as a new failure;
 * it passes -> XPASS(strict), a failure whose message reads "known issue <id> fixed —
   remove this entry" (rewritten here from pytest's bare "[XPASS(strict)] <reason>");
+* it fails as described but a number it recorded lies outside the entry's ``bounds``
+  -> a failure, "beyond known issue <id>: got ..., known up to ..." (``bounds``);
 * vLLM outside the range -> nothing is applied; the test runs as usual, and the
   end-of-run summary says whether the entry's tests pass there or fail too (a hint
   that the range is too narrow).
@@ -30,14 +32,16 @@ import pytest
 
 from harness.core.environment import REPORTED_ENV
 from harness.core.facts import DTYPE_ALIASES, installed_vllm, server_version
+from harness.known_issues import bounds as _bounds
 
 DEFAULT_PATH = Path(__file__).with_name("known_issues.toml")
 ENV_PATH = "HARNESS_KNOWN_ISSUES"
 FIXED_PHRASE = "fixed — remove this entry"
+BEYOND_PHRASE = "a failure BEYOND its bounds: a new failure"
 
 _FIELDS = {"id", "upstream", "affected", "checked", "read_from_source", "hosts", "tests",
            "backends", "models", "dtypes", "unless_env", "symptom", "workaround", "raises",
-           "match"}
+           "match", "bounds", "unbounded"}
 _HOSTS = {"cpu", "gpu"}
 
 
@@ -68,6 +72,10 @@ class KnownIssue:
     workaround: str = ""
     raises: str = ""   # exception class (builtin name or dotted path) the failure must be
     match: str = ""    # regex its message must match (pytest >= 8.4's RaisesExc)
+    # how far the numbers its test records may go (harness.known_issues.bounds); or, for
+    # a symptom with numbers that no bound fits, why not
+    bounds: tuple[_bounds.Bound, ...] = ()
+    unbounded: str = ""
 
     # ---------------------------------------------------------------- applicability
     def applies_to_version(self, version: str | None) -> bool:
@@ -181,6 +189,10 @@ class KnownIssue:
     def reason(self) -> str:
         return f"known issue {self.id} ({self.upstream}): {self.symptom}"
 
+    def judge(self, metrics: dict) -> list[_bounds.Judged]:
+        """Each bound against the metrics a run of the entry's test recorded."""
+        return _bounds.judge(self.bounds, metrics)
+
     def fixed_message(self, version: str | None, source: str) -> str:
         return (f"[XPASS(strict)] known issue {self.id} {FIXED_PHRASE}: the test passed on "
                 f"vLLM {version}, inside the entry's affected range '{self.affected}'. Remove "
@@ -254,7 +266,11 @@ def parse(data: dict, source: str = "<known issues>") -> list[KnownIssue]:
                            dtypes=_str_tuple(e, "dtypes", where),
                            unless_env=tuple(sorted(unless_env.items())),
                            workaround=str(e.get("workaround", "")),
-                           raises=str(e.get("raises", "")), match=str(e.get("match", "")))
+                           raises=str(e.get("raises", "")), match=str(e.get("match", "")),
+                           bounds=_bounds.parse(e.get("bounds"), where),
+                           unbounded=str(e.get("unbounded", "")))
+        if issue.bounds and issue.unbounded:
+            raise ValueError(f"{where}: 'bounds' and 'unbounded' exclude each other")
         try:
             issue.check_raises()
         except (ImportError, AttributeError) as err:
@@ -327,6 +343,7 @@ class KnownIssuesState:
     applied: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # id -> nodeids
     watched: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # id -> nodeids
     outcomes: dict[str, str] = dataclasses.field(default_factory=dict)       # nodeid -> outcome
+    judged: dict[str, list] = dataclasses.field(default_factory=dict)  # nodeid -> [bounds.Judged]
     error: str | None = None
 
     def entries(self) -> list[dict]:
@@ -350,6 +367,8 @@ class KnownIssuesState:
                 status = "applies, but no collected test matches"
             elif any(o == "fixed" for o in outs.values()):
                 status = FIXED_PHRASE
+            elif any(o == "beyond" for o in outs.values()):
+                status = BEYOND_PHRASE
             elif any(o == "known" for o in outs.values()):
                 status = "known"
             else:
@@ -437,10 +456,35 @@ class _Reporter:
             state.outcomes[item.nodeid] = "fixed"
         elif rep.skipped and hasattr(rep, "wasxfail"):
             state.outcomes[item.nodeid] = "known"
+            if issue.bounds and rep.when == "call":
+                self._judge(item, rep, issue, state)
         elif rep.failed:
             state.outcomes[item.nodeid] = "failed"  # not the known failure (xfail raises=)
         elif rep.when == "call" and rep.passed:
             state.outcomes[item.nodeid] = "passed"
+
+    @staticmethod
+    def _judge(item: pytest.Item, rep, issue: KnownIssue, state: "KnownIssuesState") -> None:
+        """The known failure against the entry's bounds: the judgement goes into the
+        report (``known_issue_bounds``); a number beyond them turns the XFAIL into a
+        failure that says so, the original failure below it."""
+        metrics: dict = {}
+        for name, value in item.user_properties:
+            if name == "metrics" and isinstance(value, dict):
+                metrics.update(value)
+        judged = issue.judge(metrics)
+        prop = ("known_issue_bounds", [j.as_dict() for j in judged])
+        item.user_properties.append(prop)
+        rep.user_properties = list(rep.user_properties) + [prop]
+        state.judged[item.nodeid] = judged
+        if not _bounds.beyond(judged):
+            return
+        original = str(rep.longrepr) if rep.longrepr is not None else ""
+        rep.outcome = "failed"
+        del rep.wasxfail
+        rep.longrepr = (f"{_bounds.beyond_message(issue.id, judged)}\n\n"
+                        f"the failure, which matches the entry's pattern:\n{original}")
+        state.outcomes[item.nodeid] = "beyond"
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
         state = config.stash.get(STATE, None)
@@ -454,7 +498,10 @@ class _Reporter:
             ran = {n: o for n, o in e["tests_outcomes"].items() if o != "not run"}
             if not ran:  # nothing to say about an entry none of whose tests ran
                 continue
-            markup = {"red": True} if e["status"] == FIXED_PHRASE else {"yellow": True}
+            markup = ({"red": True} if e["status"] in (FIXED_PHRASE, BEYOND_PHRASE)
+                      else {"yellow": True})
             tr.write_line(f"{e['id']}: {e['status']}", **markup)
             for nodeid, o in ran.items():
                 tr.write_line(f"    {o:8} {nodeid}")
+                for j in state.judged.get(nodeid, []):
+                    tr.write_line(f"             {j.describe()}")

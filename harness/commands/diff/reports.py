@@ -244,6 +244,35 @@ def _known_issues(a: dict, b: dict, kept_a: set, kept_b: set, host_specific: boo
     return rows
 
 
+def _known_bounds(ta: dict, tb: dict) -> list[dict]:
+    """For each test of a bounded known issue (the known-issues file in use), each bound
+    against what A and B recorded: the worst value, and how far B's is from the bound. A
+    B beyond it is a regression (the test then fails "beyond known issue", a row of its
+    own above)."""
+    from harness import known_issues
+
+    try:
+        entries = {i.id: i for i in known_issues.load()}
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for nodeid in sorted(set(ta) | set(tb)):
+        x, y = ta.get(nodeid) or {}, tb.get(nodeid) or {}
+        issue = entries.get(y.get("known_issue") or x.get("known_issue") or "")
+        if issue is None or not issue.bounds:
+            continue
+        for ja, jb in zip(issue.judge(x.get("metrics") or {}), issue.judge(y.get("metrics") or {})):
+            if not (ja.recorded or jb.recorded):
+                continue
+            beyond_b = jb.recorded and not jb.within
+            level = REGRESSION if beyond_b and (not ja.recorded or ja.within) else \
+                WARN if beyond_b else INFO
+            rows.append({"nodeid": nodeid, "id": issue.id, "bound": ja.bound.path,
+                         "known": ja.bound.range_text(), "a": ja.worst, "b": jb.worst,
+                         "b_distance": jb.distance(), "level": level})
+    return sorted(rows, key=lambda r: LEVELS.index(r["level"]))
+
+
 def _pause_styles(p: dict) -> list[str]:
     """The ways to call /pause a report saw: its modes and the deprecated flags."""
     params = p.get("params") or []
@@ -407,6 +436,7 @@ def compare(a: dict, b: dict, *, threshold_rel: float = 0.5, allow_missing: bool
         "unchanged_tests": 0,
         "coverage": _coverage(cov_a, cov_b, allow_missing),
         "known_issues": _known_issues(a, b, set(ta), set(tb), bool(differs)),
+        "known_bounds": _known_bounds(ta, tb),
         "capabilities": _capabilities(a, b),
         "metrics": _metrics(ta, tb, threshold_rel),
     }
