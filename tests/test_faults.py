@@ -412,6 +412,71 @@ def test_nccl_init_with_a_rendezvous_nobody_listens_on_is_bounded(session):
     repair(session)
 
 
+# Issue 58 (docs/vllm-rl-matrix.md row 64): weight loaders that check dtypes (vllm #51792).
+DTYPE_SEEDS = (5841, 5842)
+
+
+def _other_dtype(dtype: str) -> str:
+    return "bfloat16" if dtype == "float32" else "float32"
+
+
+def test_an_update_in_another_dtype_is_refused_and_keeps_the_weights(session):
+    """A trainer that holds its weights in another dtype than the server's and sends
+    them as they are, announcing that dtype (bfloat16 into the float32 server, the
+    suite's default). The update must be refused with a 4xx that names a tensor, and
+    the weights keep their digests (/weight_checker where the release has it, else the
+    output of the weights held before); a 5xx is no refusal, a 200 is a silent cast.
+    vLLM 0.32.0's loaders copy into the parameter, which casts (known issue
+    update-in-another-dtype-is-cast)."""
+    s = session
+    old, new = (s.perturbed(x) for x in DTYPE_SEEDS)
+    s.ensure_holds(old)
+    ref_old = s.reference(old)
+    checker = "/weight_checker" in s.client.openapi().get("paths", {})
+    before = s.client.weight_checksums() if checker else None
+    sent = _other_dtype(s.case.dtype)
+    s.sync_timeout = SYNC_WITHIN
+    error: Exception | None = None
+    try:
+        s.sync(new, trainer_dtype=sent)
+    except TrainerError as e:
+        error = e
+    unknown_weights(s)
+    assert_alive(s, f"an update of {sent} tensors into a {s.case.dtype} server")
+    probe(s, "POST", FINISH, json={})   # close an update the refusal left open
+    if s.client.is_paused():
+        s.client.resume()
+    after = s.client.weight_checksums() if checker else None
+    changed = sorted(k for k in (after or {}) if after[k] != (before or {}).get(k))
+    kept = s.compare(ref_old)
+    refusal = client.refusal_in(error) if error is not None else None
+    s.record(sent_dtype=sent, server_dtype=s.case.dtype,
+             answer=f"HTTP {refusal.status}: {refusal.detail[:300]}" if refusal
+             else (first_line(error) if error else "200"),
+             digests_changed=len(changed), first_changed=changed[:3],
+             vs_weights_held_before=kept.metrics())
+    repair(s)
+    assert_parity(s, s.reference())
+    names = tuple(_tensor_names(s.model_path))
+    client.assert_refused(error, what=f"an update of {sent} tensors into a {s.case.dtype} "
+                                      "server", names=names)
+    assert not changed, (f"a refused update of {sent} tensors changed {len(changed)} weight "
+                         f"digest(s), e.g. {changed[:3]}")
+    parity.assert_logprobs_close(kept, decode=s.decode)
+
+
+def _tensor_names(model_dir: str) -> list[str]:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names += list(st.keys())
+    return names
+
+
 # ----------------------------------------------------------------------------- 3. trainer death
 
 # How each backend holds a trainer with its update open, and the line its log prints

@@ -38,7 +38,7 @@ pytest.importorskip("peft", reason="the LoRA tests write adapters with peft: pip
 pytestmark = [pytest.mark.parity, pytest.mark.features("lora"), pytest.mark.models("llama"),
               pytest.mark.dtypes("float32")]
 
-SEEDS = {"a": 3101, "b": 3102, "c": 3103}
+SEEDS = {"a": 3101, "b": 3102, "c": 3103, "d": 3104, "e": 3105}
 NAME = "policy"
 INFLIGHT_THREADS = 2
 INFLIGHT_REQUEST_S = 60.0      # one rollout's timeout
@@ -283,3 +283,109 @@ def test_lora_inplace_reload_from_the_same_path(synced, session, tmp_path):
                 f"computed with the new one: {control.summary()}): {after.summary()}")
     finally:
         lora.unload(s.client, name)
+
+
+# ----------------------------------------------------------------------------- issue 58
+# LoRA eviction (docs/vllm-rl-matrix.md row 63). The lora feature's server has two slots
+# (--max-loras 2; --max-cpu-loras defaults to it, vllm/config/lora.py): a third adapter
+# loaded or served evicts the least recently used one from the worker's cache
+# (LRUCacheWorkerLoRAManager.add_adapter), and serving an evicted adapter reads it from
+# its path again. SkyRL #2250 saw an adapter reloaded after eviction scaled twice; peft's
+# reference applies the scaling once, so a double scaling fails parity.
+EVICTION_ORDER = "abcab"   # with two slots, every use from the third on is a reload
+
+
+def test_lora_evicted_adapters_come_back_with_their_own_weights_scaled_once(synced, session):
+    """Three adapters on two slots, served in turn a, b, c, a, b: each use evicts one,
+    and each adapter, reloaded, must match Hugging Face with its own adapter (scaled
+    once), not the one that held its slot; then an in-place swap of an evicted name
+    (a -> d) must serve d once it is used again."""
+    s = session
+    s.ensure_holds()
+    ads = {k: adapter(s, k) for k in "abcd"}
+    names = {k: f"{NAME}-evict-{k}" for k in "abc"}
+    served: list[dict] = []
+    try:
+        for k in "abc":
+            must_load(s, names[k], ads[k][0])
+        previous = None
+        for k in EVICTION_ORDER:
+            client = lora.adapter_client(s.client, names[k])
+            r = assert_serves(s, client, ads[k][1], ads[previous][1] if previous else None,
+                              f"adapter {k}, served after {previous or 'nothing'} on two slots "
+                              f"(order {EVICTION_ORDER})")
+            served.append({"adapter": k, "max_abs_dlogprob": r.max_abs})
+            previous = k
+        s.record(lora_eviction=served)
+        # the cache holds a and b now; serving c evicts a, which is then swapped in place
+        # (a -> d) while out of the cache; b evicts c, and a must come back as d
+        assert_serves(s, lora.adapter_client(s.client, names["c"]), ads["c"][1], None,
+                      "adapter c, evicting a")
+        must_load(s, names["a"], ads["d"][0], load_inplace=True)
+        assert_serves(s, lora.adapter_client(s.client, names["b"]), ads["b"][1], None,
+                      "adapter b after an in-place swap of another name")
+        r = assert_serves(s, lora.adapter_client(s.client, names["a"]), ads["d"][1],
+                          ads["a"][1], "the name swapped in place to adapter d while evicted")
+        s.record(lora_eviction=served, inplace_swap_under_eviction_max_abs=r.max_abs)
+        assert_parity(s.compare(synced.reference), decode=s.decode,
+                      what="the base model after the evictions")
+    finally:
+        for k in "abc":
+            lora.unload(s.client, names[k])
+
+
+def test_lora_an_adapter_loaded_in_place_is_not_read_from_disk_again(synced, session,
+                                                                     tmp_path):
+    """SkyRL #1606: an adapter loaded in place must be read from its path at the load,
+    not at every request. Loaded in place from a directory, served, then the directory
+    rewritten with another adapter and no load: it must still serve what was loaded
+    (vLLM 0.32 keeps ``load_inplace`` on the stored request, and its worker loads an
+    adapter whose request says so again at every step: known issue
+    lora-inplace-rereads-from-disk)."""
+    import shutil
+
+    s = session
+    s.ensure_holds()
+    (pa, ra), (pd, rd), (pe, re_) = adapter(s, "a"), adapter(s, "d"), adapter(s, "e")
+    step_dir = tmp_path / "adapter"
+    shutil.copytree(pa, step_dir)
+    name = f"{NAME}-reread"
+    must_load(s, name, step_dir)
+    client = lora.adapter_client(s.client, name)
+    try:
+        assert_serves(s, client, ra, None, "adapter a, loaded")
+        shutil.rmtree(step_dir)
+        shutil.copytree(pd, step_dir)
+        must_load(s, name, step_dir, load_inplace=True)
+        assert_serves(s, client, rd, ra, "adapter d, loaded in place from the same path")
+        shutil.rmtree(step_dir)
+        shutil.copytree(pe, step_dir)   # the trainer writes its next step; nobody loads it
+        now = s.compare(rd, client)
+        rewritten = s.compare(re_, client)
+        s.record(reread_vs_loaded_max_abs=now.max_abs, reread_vs_rewritten_max_abs=rewritten.max_abs)
+        assert not within_tolerance(rewritten), (
+            "an adapter loaded in place serves what its directory holds now, not what was "
+            f"loaded: it is read from disk again on a request ({rewritten.summary()})")
+        assert_parity(now, decode=s.decode, what="the adapter loaded in place, after its "
+                                                 "directory was rewritten without a load")
+    finally:
+        lora.unload(s.client, name)
+
+
+@pytest.mark.selftest
+def test_lora_selftest_eviction_check_sees_the_adapter_that_held_the_slot(synced, session):
+    """The eviction check must fail when an adapter serves the weights of the one that
+    held its slot before: the name of b loaded with a's weights (what a reload that
+    read the wrong slot would serve), then checked for b."""
+    s = session
+    s.ensure_holds()
+    (pa, ra), (pb, rb) = adapter(s, "a"), adapter(s, "b")
+    name = f"{NAME}-evict-selftest"
+    must_load(s, name, pa)
+    try:
+        with pytest.raises(AssertionError, match="still serves the previous adapter"):
+            assert_serves(s, lora.adapter_client(s.client, name), rb, ra,
+                          "adapter b served after a on a slot")
+    finally:
+        lora.unload(s.client, name)
+

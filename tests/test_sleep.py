@@ -29,6 +29,7 @@ On a CPU server the sleep-mode cases skip (harness.run.cases.FEATURES says why).
 
 from __future__ import annotations
 
+import json
 import re
 import select
 import shutil
@@ -42,6 +43,7 @@ import pytest
 from harness.vllm import client
 from harness.oracles import parity
 from harness.oracles.parity import within_tolerance  # shared with the other test modules
+from harness.run.cases import PRESERVED_PARAMETERS
 from harness.run.pool import State
 
 # One IPC variant: sleep and wake act on the server's memory, whichever way the trainer
@@ -50,7 +52,8 @@ pytestmark = [pytest.mark.sleeps, pytest.mark.features("sleep"), pytest.mark.mod
               pytest.mark.dtypes("bfloat16"), pytest.mark.layouts("1gpu-colocated", "cpu"),
               pytest.mark.backends("ipc-packed", "shm")]
 
-SEEDS = {"l1": (2101, 2102), "l2": (2111, 2112), "asleep": (2121, 2122), "plain": 2131}
+SEEDS = {"l1": (2101, 2102), "l2": (2111, 2112), "asleep": (2121, 2122), "plain": 2131,
+         "cgpool": 5801, "preserve": 5811, "kvfp8": 5821}
 
 
 def assert_parity(s, ref, what: str) -> parity.ParityReport:
@@ -648,3 +651,189 @@ def test_sleep_wake_at_tp2(awake):
     s.sync(s.model_path, pause=False)
     s.client.wake_up(tags=["kv_cache"])
     assert_parity(s, ref, "TP=2, level 2, wake, resync")
+
+
+# ----------------------------------------------------------------------------- issue 58
+# What broke in the field (docs/vllm-rl-matrix.md rows 61, 62, 64): sleeps that release
+# the CUDA-graph pool, keep named weights through level 2, or meet an fp8 KV cache. GPU
+# rows: on a CPU host they skip with the sleep feature's reason; where the installed vLLM
+# lacks a flag, with the flag and the first release that has it (cases.missing_flag).
+# `-k "cgpool or preserve or kvfp8"` selects them on a GPU host.
+
+
+def twin_bit_identical(s, ref, what: str) -> parity.ParityReport:
+    """The server against its disk-loaded twin (the model, same flags and mode), bit for
+    bit: logprobs at tolerance 0 and the same greedy continuations."""
+    synced_obs = s.observe(ref)
+    _, twin_client = s.twin(s.model_path)
+    report = parity.compare_servers(synced_obs, s.observe(ref, twin_client), ref,
+                                    names=("synced", "twin"), decode=s.decode)
+    s.record(twin_max_abs_diff=report.max_abs, twin_values_compared=report.tokens_compared)
+    try:
+        parity.assert_finite(report)
+        parity.assert_logprobs_close(report, tolerance=0.0, decode=s.decode)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+    if report.greedy_divergence:
+        raise AssertionError(f"{what}: greedy continuations differ from the twin's:\n  "
+                             + "\n  ".join(report.greedy_divergence))
+    return report
+
+
+def level2_resync(s, weights, **sync_kw) -> dict:
+    """The colocated RL step at level 2: sleep, wake the weights, push ``weights`` into
+    them, wake the KV cache. The server holds an unknown mix until the caller's check."""
+    s.client.sleep(level=2)
+    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
+    s.client.wake_up(tags=["weights"])
+    result = s.sync(weights, pause=False, **sync_kw)
+    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)  # until the check says so
+    s.client.wake_up(tags=["kv_cache"])
+    assert not s.client.is_sleeping() and not s.client.is_paused()
+    return result
+
+
+@pytest.mark.twin
+@pytest.mark.modes("graphs")
+@pytest.mark.features("sleep", "cgpool")
+def test_graph_pool_offload_sleep_wake_sync_parity_and_twin(awake):
+    """--sleep-mode-offload-cudagraph (vLLM #59160): the CUDA-graph pool goes to host
+    memory with the sleep and comes back in place on wake, so the captured graphs replay
+    on restored addresses (the stale-data_ptr class: RFC #48941, prime-rl #3513). Level 1
+    and a wake: the golden output of the perturbed weights. Level 2, a wake, a sync of
+    the model: parity with Hugging Face and bit for bit the disk-loaded twin."""
+    s = awake
+    old = s.perturbed(SEEDS["cgpool"])
+    s.ensure_holds(old)
+    ref_old, ref = s.reference(old), s.reference()
+    golden = s.observe(ref_old)
+    mem = {"before": mem_now(s)}
+    s.client.sleep(level=1)
+    mem["asleep"] = mem_now(s)
+    s.client.wake_up()
+    mem["awake"] = mem_now(s)
+    assert_freed(s, mem, 1)
+    golden_report(s, golden, ref_old, "graph pool offloaded, level 1 and a wake (the graphs "
+                                      "replayed on the restored pool)")
+    level2_resync(s, s.model_path)
+    r = assert_parity(s, ref, "graph pool offloaded, level 2, wake, sync")
+    s.pool.set_holding(s.server_cfg, State.SYNCED, s.model_path)
+    s.record(**r.metrics())
+    twin_bit_identical(s, ref, "graph pool offloaded, level 2, wake, sync, vs the twin")
+
+
+@pytest.mark.selftest
+@pytest.mark.twin
+@pytest.mark.modes("graphs")
+@pytest.mark.features("sleep", "cgpool")
+def test_graph_pool_offload_twin_check_sees_a_scaled_tensor(awake):
+    """The twin check of the row above, against an update that scaled one matrix by 1.01
+    after the same level-2 sleep and wake: it must fail."""
+    s = awake
+    ref = s.reference()
+    result = level2_resync(s, s.model_path, corrupt="scale")
+    s.pool.set_holding(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
+    s.record(corruption=result.get("corruption"))
+    try:
+        twin_bit_identical(s, ref, "a scaled tensor after a level-2 sleep")
+    except AssertionError as e:
+        s.record(detected=str(e).splitlines()[0][:300])
+        return
+    raise AssertionError(f"the twin check passed after an update that {result.get('corruption')}"
+                         ": it cannot see a wrong weight on the graph-pool server")
+
+
+@pytest.mark.features("sleep", "preserve")
+def test_preserved_parameters_survive_a_level2_sleep(awake):
+    """--sleep-preserve-parameter-names (vLLM #57891) with the frozen part (embeddings,
+    lm_head, norms: cases.PRESERVED_PARAMETERS): level 2 keeps those and discards the
+    rest; the trainer then sends only the trainable part (trl #5312, vllm #54235), and
+    the whole model must match Hugging Face."""
+    s = awake
+    weights = s.perturbed(SEEDS["preserve"])
+    s.ensure_holds(weights)
+    ref = s.reference(weights)
+    result = level2_resync(s, weights, options={"exclude": PRESERVED_PARAMETERS})
+    s.record(partial_update=result.get("corruption"), tensors_sent=result.get("tensors"))
+    r = assert_parity(s, ref, "level 2 with the frozen part preserved, the trainable part "
+                              f"resynced ({result.get('corruption')})")
+    s.pool.set_holding(s.server_cfg, State.SYNCED, str(weights))
+    s.record(**r.metrics())
+
+
+@pytest.mark.selftest
+def test_without_preserved_names_a_partial_resync_after_level2_is_caught(awake):
+    """The broken stand-in of the row above: the plain sleep server, started without
+    --sleep-preserve-parameter-names, so level 2 discards the frozen part too (as a
+    release that drops the flag would). The same partial resync must fail parity."""
+    s = awake
+    weights = s.perturbed(SEEDS["preserve"])
+    s.ensure_holds(weights)
+    ref = s.reference(weights)
+    result = level2_resync(s, weights, options={"exclude": PRESERVED_PARAMETERS})
+    s.pool.set_holding(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
+    try:
+        r = s.compare(ref)
+    except parity.NonFiniteOutput as e:
+        s.record(detected="non-finite output", detail=str(e).splitlines()[0])
+        return
+    s.record(detected_max_abs_dlogprob=r.max_abs, partial_update=result.get("corruption"))
+    assert not within_tolerance(r), (
+        "a level-2 sleep without preserved names, then a resync that left out "
+        f"{', '.join(PRESERVED_PARAMETERS)}, still matches Hugging Face ({r.summary()}): "
+        "level 2 kept the frozen weights, or parity cannot see them missing")
+
+
+def kv_scales(s) -> dict:
+    """Every rank's attention layers' (k, v) scales, through the fp8-KV server's worker
+    extension (harness.testing.kv_scales)."""
+    return {i: r for i, r in enumerate(s.client.collective_rpc("harness_kv_scales"))}
+
+
+@pytest.mark.features("sleep", "kvfp8")
+def test_fp8_kv_scales_survive_a_level2_sleep(awake):
+    """vLLM #57163: sleep(level=2) zeroed the KV scales of an fp8 KV cache. Level 2, a
+    wake of the weights, a resync, the KV cache's wake: every layer's scales as before
+    the sleep, and the server's output its golden one from before (the same server, the
+    same fp8 rounding: to 1e-3, greedy identical)."""
+    s = awake
+    s.ensure_holds()
+    ref = s.reference()
+    golden = s.observe(ref)
+    before = kv_scales(s)
+    level2_resync(s, s.model_path)
+    after = kv_scales(s)
+    s.record(kv_scales_before=before, kv_scales_after=after)
+    assert before and all(before.values()), f"no attention layer has KV scales: {before}"
+    assert after == before, (f"the KV scales changed across a level-2 sleep, wake and resync:"
+                             f" before {before}, after {after}")
+    golden_report(s, golden, ref, "fp8 KV cache, level 2, wake, resync")
+    s.pool.set_holding(s.server_cfg, State.SYNCED, s.model_path)
+
+
+@pytest.mark.selftest
+@pytest.mark.features("sleep", "kvfp8")
+def test_fp8_kv_golden_check_sees_zeroed_scales(awake):
+    """The row above's output check, against the scales zeroed on purpose (what vLLM
+    #57163's sleep did), through the worker extension: it must fail. The scales are put
+    back afterwards and the golden output must return; otherwise the server is
+    replaced."""
+    s = awake
+    s.ensure_holds()
+    ref = s.reference()
+    golden = s.observe(ref)
+    before = kv_scales(s)
+    s.client.collective_rpc("harness_kv_scales", "0")
+    detected = None
+    try:
+        golden_report(s, golden, ref, "fp8 KV cache with its scales zeroed")
+    except (AssertionError, client.ControlPlaneError) as e:
+        detected = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    finally:  # rank 0's layer names are every rank's
+        s.client.collective_rpc("harness_kv_scales", json.dumps(before[0]))
+    s.record(detected=detected)
+    restored = kv_scales(s)
+    if restored != before:
+        s.pool.discard(s.server_cfg, f"the KV scales did not come back: {restored}")
+    assert detected, "zeroed KV scales left the output within 1e-3 of the golden one"
+    golden_report(s, golden, ref, "fp8 KV cache, its scales put back")

@@ -11,6 +11,8 @@ Nothing here imports pytest, vLLM or torch at module level.
 
 from __future__ import annotations
 
+import functools
+
 import importlib.metadata
 import socket
 import time
@@ -87,6 +89,29 @@ def attention_backend_names() -> tuple[tuple[str, ...] | None, str]:
                 if names:
                     return tuple(names), f"{cls} in {path}"
     return None, f"no attention backend enum found in the vLLM at {root}"
+
+
+@functools.cache
+def server_flag_offered(flag: str) -> bool | None:
+    """Does the installed vLLM's ``vllm serve`` take ``flag`` (``--sleep-mode-offload-
+    cudagraph``)? Read from its source without importing it: every release the harness
+    runs declares its engine flags as literals in ``engine/arg_utils.py``. None where
+    that file cannot be read (no vLLM here, or a layout this does not know)."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = (Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+                ).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return f'"{flag}"' in text
 
 
 def server_version(url: str, timeout: float = 10.0) -> str | None:

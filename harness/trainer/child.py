@@ -15,6 +15,7 @@ applied here. Only this process imports torch and vLLM's trainer API.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import signal
@@ -363,6 +364,18 @@ class _CudaPeak:
                 "trainer_retained_bytes": torch.cuda.memory_allocated(self.device) - self.allocated}
 
 
+def leave_out(named: list, globs) -> tuple[list, str]:
+    """``named`` without the tensors whose names match one of ``globs`` (fnmatch, as
+    vLLM's --sleep-preserve-parameter-names matches them): a trainer that updates only
+    the trainable part. Raises ValueError when no name matches (a glob that misses
+    would send the whole model and test nothing)."""
+    globs = list(globs)
+    kept = [(n, t) for n, t in named if not any(fnmatch.fnmatchcase(n, g) for g in globs)]
+    if len(kept) == len(named):
+        raise ValueError(f"option exclude {globs} matches no tensor of the model")
+    return kept, f"left out {len(named) - len(kept)} tensor(s) matching {', '.join(globs)}"
+
+
 class _HarnessCode:
     """The child's state when ``spec.code == "harness"``: the harness's sender for the
     engine (``harness.transfer``) over its own HTTP client, timed per route, able to lie
@@ -393,6 +406,9 @@ class _HarnessCode:
         t1 = time.monotonic()
         named, what = corrupt_weights(self.weights.get(cmd["weights_dir"]), cmd.get("corrupt"),
                                       cmd.get("corrupt_target"))
+        if options.get("exclude"):  # frozen weights the trainer does not send
+            named, left_out = leave_out(named, options["exclude"])
+            what = f"{'' if what == 'none' else what + '; '}{left_out}"
         if options.get("wrap"):  # the names a wrapped module's named_parameters() gives
             from harness.transfer.vllm_code import WRAP_PREFIX
 
@@ -406,7 +422,8 @@ class _HarnessCode:
             self.switch = _SwitchableClient(
                 ServerClient(spec.url, timeout=spec.timeout,
                              api_key=os.environ.get(API_KEY_ENV) or None),
-                hold_after_start_s=float(options.get("hold_after_start_s") or 0))
+                hold_after_start_s=float(options.get("hold_after_start_s") or 0),
+                draft=bool(options.get("draft")))
             self.client = _TimedClient(self.switch)
             self.sender = sender_class(spec.engine)(self.client, packed=spec.packed,
                                                     options=options)
@@ -506,11 +523,14 @@ class _SwitchableClient:
     updates through a ``LyingClient`` (``lie(None)`` stops lying). Senders keep the
     client they were built with, so the switch is made here, below them.
     ``hold_after_start_s`` (option): wait that long once /start_weight_update answered,
-    with the update open (fault tests kill the trainer there)."""
+    with the update open (fault tests kill the trainer there). ``draft`` (option): every
+    update opens with /start_draft_weight_update, so it loads into the server's
+    speculative-decoding draft model instead of the target (vLLM #46725)."""
 
-    def __init__(self, client, hold_after_start_s: float = 0.0):
+    def __init__(self, client, hold_after_start_s: float = 0.0, draft: bool = False):
         self._honest = self._current = client
         self.hold_after_start_s = hold_after_start_s
+        self.draft = draft
 
     def lie(self, kind: str | None) -> LyingClient | None:
         self._current = self._honest if kind is None else LyingClient(self._honest, kind)
@@ -521,7 +541,8 @@ class _SwitchableClient:
         self.hold_after_start_s = seconds
 
     def start_weight_update(self, *args, **kwargs):
-        out = self._current.start_weight_update(*args, **kwargs)
+        out = (self._current.start_draft_weight_update() if self.draft
+               else self._current.start_weight_update(*args, **kwargs))
         if self.hold_after_start_s:
             print(f"trainer: /start_weight_update acknowledged, holding "
                   f"{self.hold_after_start_s}s", flush=True)

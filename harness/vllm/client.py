@@ -284,6 +284,18 @@ class ServerClient:
     def update_weights(self, update_info: Any) -> None:
         self._call("POST", "/update_weights", json_body={"update_info": update_info})
 
+    def start_draft_weight_update(self) -> None:
+        """``POST /start_draft_weight_update``: like /start_weight_update, but the update
+        that follows loads into the speculative-decoding draft model (vLLM #46725)."""
+        self._call("POST", "/start_draft_weight_update", json_body={})
+
+    def collective_rpc(self, method: str, *args: str, timeout: float | None = None) -> list:
+        """``POST /collective_rpc`` (dev mode): ``method`` of every worker, with string
+        arguments; each worker's answer, in rank order."""
+        out = self._call("POST", "/collective_rpc", timeout=timeout,
+                         json_body={"method": method, "args": list(args)})
+        return (out or {}).get("results", []) if isinstance(out, dict) else []
+
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {} if weight_version is None else {"weight_version": weight_version}
         self._call("POST", "/finish_weight_update", json_body=body)

@@ -37,6 +37,8 @@ from harness.vllm import memory_lock
 from harness.vllm import reaper
 
 DEFAULT_START_TIMEOUT = 600.0
+# Tokens a draft model proposes per step on a server with speculative decoding.
+DRAFT_TOKENS = 3
 # Engines whose data plane is pickled over HTTP: VLLM_ALLOW_INSECURE_SERIALIZATION=1 is
 # set for them and for no other (it lets /update_weights unpickle what a client posts).
 INSECURE_SERIALIZATION_BACKENDS = frozenset({"ipc"})
@@ -70,6 +72,7 @@ class ServerConfig:
     enable_sleep_mode: bool = False  # /sleep can free the weights and the KV cache
     api_server_count: int = 1        # API server processes sharing the one port
     enable_lora: bool = False        # LoRA adapters loaded at run time (/v1/load_lora_adapter)
+    speculative_draft: bool = False  # speculative decoding, the model its own draft model
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed
@@ -102,6 +105,7 @@ class ServerConfig:
                 + (f" api-servers={self.api_server_count}" if self.api_server_count > 1
                    else "")
                 + (" lora" if self.enable_lora else "")
+                + (" draft" if self.speculative_draft else "")
                 + (" api-key" if self.api_key else "")
                 + "".join(f" mrv{2 if v == '1' else 1}" for k, v in self.extra_env
                           if k == "VLLM_USE_V2_MODEL_RUNNER")
@@ -182,6 +186,10 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
         argv += ["--api-server-count", str(cfg.api_server_count)]
     if cfg.enable_lora:  # two slots: an adapter swapped in while the old one still serves
         argv += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
+    if cfg.speculative_draft:  # the draft loads as the target does (dummy, or the twin's disk)
+        argv += ["--speculative-config", json.dumps({
+            "method": "draft_model", "model": cfg.model,
+            "num_speculative_tokens": DRAFT_TOKENS})]
     argv += list(cfg.extra_args)
     return argv
 
