@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.core import measure
+from harness.core import facts, measure
 from harness.models import ModelUnavailable
 from harness.pytest import selection as _selection
 from harness.pytest import parametrize, summary
@@ -138,6 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(kind(str(w.message)), stacklevel=2)
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
+    _refuse_gpu_only_selection(config, s)
     state = config.stash[STATE] = RunState(s)
     parallel.share_threads(config)
     if parallel.ours(config) and not hasattr(config, "workerinput"):
@@ -156,6 +157,52 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(ReportPlugin(config, Path(s.harness_report), state,
                                                    worker=hasattr(config, "workerinput")),
                                       "harness-report")
+
+
+def _refuses(config: pytest.Config, s: _settings.Settings) -> bool:
+    """Does a selection of GPU cases none of which can run here end this run before it
+    starts? Not when it only collects or plans, or when --harness-allow-no-gpu is set."""
+    return not (s.harness_allow_no_gpu or s.harness_plan or config.option.collectonly)
+
+
+def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> None:
+    """Before collection (10-25 s of imports): a selection that the options and -k
+    certainly confine to GPU cases this host cannot run (``--vllm-backend ipc-packed``,
+    ``-k ipc`` on a host without GPUs) is one usage error, exit 4, before any test runs.
+    Selections this cannot judge are refused at the end of collection instead."""
+    if not _refuses(config, s):
+        return
+    from harness.run import layouts
+    from harness.transfer import VARIANTS
+
+    if not any(VARIANTS[b].needs_gpu for b in s.vllm_backend) and not any(
+            layouts.LAYOUTS[n].gpus_needed for n in s.vllm_layout):
+        return  # nothing selected needs a GPU: no probe
+    gpus = s.gpus()
+    tails = [f"{facts.short_dtype(d)}-{Path(m).name}" for d in s.vllm_dtype for m in s.vllm_model]
+
+    def ids(names, here: bool) -> list[str]:
+        return [f"{b}-{n}-{t}" for b in s.vllm_backend for n in names for t in tails
+                if layouts.runs_on(VARIANTS[b], layouts.LAYOUTS[n])
+                and (layouts.LAYOUTS[n].gpus_needed <= gpus) == here]
+    keyword = getattr(config.option, "keyword", "") or ""
+    marks = getattr(config.option, "markexpr", "") or ""
+    named = _selection.names_only_gpu_cases(
+        keyword, marks, ids(s.vllm_layout, False), ids(layouts.LAYOUTS, True),
+        _selection.case_vocabulary(VARIANTS, {v.engine for v in VARIANTS.values()},
+                                   layouts.LAYOUTS))
+    if not named:
+        return
+    who = " ".join([f"{o.flag} {','.join(getattr(s, o.name))}" for o in _settings.OPTIONS
+                    if o.name in ("vllm_backend", "vllm_layout") and o.name in s.explicit]
+                   + ([_selection.asked(config)] if _selection.asked(config) else []))
+    need = sorted({(layouts.LAYOUTS[n].gpus_needed, n) for n in s.vllm_layout
+                   if any(f"-{n}-" in i for i in named)})
+    raise pytest.UsageError(
+        f"{who or 'the selection'} selects only GPU cases (on "
+        + ", ".join(f"{n}, {k} GPU{'s' if k > 1 else ''}" for k, n in need)
+        + f") and this host has {gpus} GPU(s): nothing was run; the CPU cases are "
+        "-k shm, and --harness-allow-no-gpu runs the rest of the selection")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -225,6 +272,16 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     state.items = [it for it in items if case_of(it) is not None]
+    if state.dropped and _refuses(config, state.settings):
+        short = _selection.gpu_shortfall(
+            _selection.selected(state.dropped, _selection.matcher(config)),
+            len(state.items), state.settings.gpus(), _selection.asked(config))
+        if short and not hasattr(config, "workerinput"):
+            raise pytest.UsageError(short)
+        if short:  # a worker runs nothing; the controller says why (pytest_sessionfinish)
+            config.hook.pytest_deselected(items=list(items))
+            items[:] = state.items = []
+            return
     from harness import known_issues
 
     in_use = (state.items or state.settings.explicit or os.environ.get(known_issues.ENV_PATH)
