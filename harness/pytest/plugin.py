@@ -334,8 +334,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     s = state.settings
     if s.harness_plan:
         session.config.option.collectonly = True  # the plan is all this run does, always
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    pinned = summary.zoo_pinned_line(session.config, state)
+    if pinned and tr is not None and not hasattr(session.config, "workerinput"):
+        tr.write_line(pinned)  # said before the tests run, and again in the summary
     if not state.items:
-        tr = session.config.pluginmanager.get_plugin("terminalreporter")
         if s.harness_plan and tr is not None:
             tr.write_line("weight-sync-harness plan: no server is planned (no selected test "
                           "takes a case that can run here)")

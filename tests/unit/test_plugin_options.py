@@ -463,6 +463,27 @@ def test_pinned_tests_the_options_left_out_are_one_line(project):
     assert "4 test(s) pinned to what the options did not select" in " ".join(said), said
 
 
+def test_an_own_model_says_which_zoo_pinned_tests_it_leaves_out(project, tmp_path):
+    """The README promised that with --vllm-model naming an own model, "tests pinned to
+    zoo architectures are deselected, with one line saying so"; in 4 runs no such line
+    appeared. It is said when collection ends (under -q too) and in the summary."""
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "config.json").write_text('{"model_type": "llama"}')
+    project.makepyfile(test_more="import pytest\n\n"
+                       "@pytest.mark.models('opt')\ndef test_opt(case):\n    pass\n\n"
+                       "@pytest.mark.models('gpt2', 'qwen3')\ndef test_two(case):\n    pass\n")
+    r = project.runpytest("-q", "--vllm-model", str(own), "--vllm-backend", "shm")
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()
+    line = ("--vllm-model mine: 3 test(s) pinned to zoo models (gpt2, llama-tied, opt, qwen3) "
+            "deselected; they run on those models only")
+    out = r.stdout.lines
+    assert out.count(line) == 2, r.stdout.str()
+    assert out.index(line) < min(i for i, ln in enumerate(out) if "passed" in ln or "[100%]" in ln)
+    r = project.runpytest("-q", "--vllm-model", "llama", "--vllm-backend", "shm")
+    assert "zoo models" not in r.stdout.str()
+
+
 def test_what_the_depth_line_promises_full_depth_runs(project):
     """The summary's '--harness-depth full runs them' holds: at full depth the cases it
     counted are selected (ten such lines of `-k ipc` named cases -k had dropped)."""
