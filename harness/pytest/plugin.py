@@ -15,10 +15,12 @@ import atexit
 import collections
 import dataclasses
 import os
+import threading
 import time
 import unittest
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -145,6 +147,7 @@ def pytest_configure(config: pytest.Config) -> None:
         parallel.controller_dir()  # the workers, started after this, inherit its path
         config.pluginmanager.register(_GpuCaseCounter(state), "harness-gpu-cases")
         config.pluginmanager.register(_InterruptedRun(), "harness-interrupted-run")
+        config.pluginmanager.register(_WorkerLines(), "harness-worker-lines")
     if s.harness_shard:  # applied after -k, -m and the harness's deselection
         from harness.pytest.sharding import ShardPlugin
 
@@ -373,6 +376,39 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                     tr.write_line(line)
 
 
+_TERMINAL = threading.Lock()
+
+
+def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
+    """A line on the terminal from any thread (server starts run in threads), whatever
+    the verbosity: a run that starts servers is silent for minutes otherwise."""
+    def write(line: str) -> None:
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            with _TERMINAL:
+                tr.write_line(f"weight-sync-harness: {line}")
+    return write
+
+
+class _WorkerLines:
+    """The controller of a side-by-side run prints its workers' server starts
+    (``parallel.LineTail``) while the run goes."""
+
+    def __init__(self) -> None:
+        self.tail: parallel.LineTail | None = None
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        folder = os.environ.get(parallel.DIR_ENV)
+        if folder:
+            self.tail = parallel.LineTail(folder, _terminal_line(session.config)).start()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.tail is not None:
+            self.tail.stop()
+            self.tail = None
+
+
 class _InterruptedRun:
     """The controller of an interrupted parallel run lets its workers stop their
     servers before pytest-xdist ends them (``parallel.await_workers``); a second SIGINT
@@ -474,7 +510,8 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
     pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
                                    processes=processes,
                                    max_alive=plan.max_alive if plan else 2,
-                                   max_starting=max_starting, url=s.vllm_url, slots=slots)
+                                   max_starting=max_starting, url=s.vllm_url, slots=slots,
+                                   announce=parallel.announcer(config, _terminal_line(config)))
     if plan is not None:
         # every planned server's trainer: started and prepared as soon as it is up
         paths: dict[str, str] = {}
