@@ -453,6 +453,8 @@ def pytest_runtestloop(session: pytest.Session):
     # A plan without servers starts no pool: the process-wide spares and retiring
     # trainers stay the business of the run that has servers (a pytest run inside a
     # test, as the harness's own tests make, must not stop the outer run's spares).
+    if state is not None and state.case_count and runs:
+        _terminable()
     if state is not None and state.plan is not None and state.plan.servers and runs:
         _start_pool(session.config, state)
     elif (state is not None and runs
@@ -486,6 +488,27 @@ def _interruptible() -> None:
     if (signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             and threading.current_thread() is threading.main_thread()):
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM ends the run as Ctrl-C does: fixtures are torn down, servers and
+    trainers stopped (a second SIGTERM kills at once, as before)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _terminable() -> None:
+    """CI runners and ``timeout`` end a job with SIGTERM, whose default kills pytest
+    where it stands: no fixture teardown, so what a test started in a session of its own
+    was left running (two orphans of tests/test_faults_sessions.py). A run of harness
+    cases takes SIGTERM as an interrupt, unless someone else handles it already."""
+    import signal
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
@@ -722,6 +745,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    import signal
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a pytest run inside a test
     state = config.stash.get(STATE, None)
     if state is not None and hasattr(config, "workeroutput"):  # all of it, sessionfinish done
         parallel.save_record(config, state, final=True)
