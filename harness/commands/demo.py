@@ -200,6 +200,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness demo: --vllm-model: {why}", file=sys.stderr)
         return 2
     layout = case.layout
+    if kind == "path":  # what vLLM needs of the directory, known before any server starts
+        from harness.models import requirements
+
+        said = requirements.problems(ref, cpu_server=not layout.server_gpus)
+        for line in said:
+            print(f"harness demo: --vllm-model: {line}", file=sys.stderr)
+        if said:
+            return 2
     if layout.gpus_needed > gpu_count():
         print(f"harness demo: layout {layout.name} needs {layout.gpus_needed} GPU(s), "
               f"{gpu_count()} available", file=sys.stderr)

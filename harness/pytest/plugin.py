@@ -141,6 +141,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
     _refuse_gpu_only_selection(config, s)
+    _refuse_unservable_models(config, s)
     state = config.stash[STATE] = RunState(s)
     parallel.share_threads(config)
     if parallel.ours(config) and not hasattr(config, "workerinput"):
@@ -206,6 +207,25 @@ def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> 
         + ", ".join(f"{n}, {k} GPU{'s' if k > 1 else ''}" for k, n in need)
         + f") and this host has {gpus} GPU(s): nothing was run; the CPU cases are "
         "-k shm, and --harness-allow-no-gpu runs the rest of the selection")
+
+
+def _refuse_unservable_models(config: pytest.Config, s: _settings.Settings) -> None:
+    """A model directory of the user's that no server could serve or the checks use
+    (no tokenizer, too few positions, a head size a CPU server refuses) is one line per
+    problem, exit 4, before any server starts (``harness.models.requirements``)."""
+    from harness import models
+    from harness.models import requirements
+    from harness.run import layouts
+
+    paths = [v for kind, v in (models.classify_model(m) for m in s.vllm_model) if kind == "path"]
+    if not paths or s.harness_plan or config.option.collectonly:
+        return
+    cpu = any(not layouts.LAYOUTS[n].server_gpus for n in s.vllm_layout) and (
+        "vllm_layout" in s.explicit or s.gpus() == 0)
+    said = [f"--vllm-model: {p}" for path in paths
+            for p in requirements.problems(path, cpu_server=cpu)]
+    if said:
+        raise pytest.UsageError("\n".join(said))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -470,6 +470,7 @@ def test_an_own_model_says_which_zoo_pinned_tests_it_leaves_out(project, tmp_pat
     own = tmp_path / "mine"
     own.mkdir()
     (own / "config.json").write_text('{"model_type": "llama"}')
+    (own / "tokenizer.json").write_text("{}")
     project.makepyfile(test_more="import pytest\n\n"
                        "@pytest.mark.models('opt')\ndef test_opt(case):\n    pass\n\n"
                        "@pytest.mark.models('gpt2', 'qwen3')\ndef test_two(case):\n    pass\n")

@@ -436,6 +436,14 @@ def run(args: argparse.Namespace) -> int:
     if why:  # refused now, not by a Hugging Face traceback after the server started
         print(f"harness repro: --vllm-model: {why}", file=sys.stderr)
         return EXIT_USAGE
+    if sc.model_kind == "path":  # what vLLM needs of the directory (models.requirements)
+        from harness.models import requirements
+
+        said = requirements.problems(sc.model_ref, cpu_server=not sc.layout.server_gpus)
+        for line in said:
+            print(f"harness repro: --vllm-model: {line}", file=sys.stderr)
+        if said:
+            return EXIT_USAGE
     if sc.layout.gpus_needed > gpu_count():  # refused now, not at the sync a minute later
         print(f"harness repro: {sc.describe()}: layout {sc.layout.name} needs "
               f"{sc.layout.gpus_needed} GPU(s), {gpu_count()} available", file=sys.stderr)
