@@ -55,6 +55,8 @@ MARKERS = (
     "parity: compares vLLM with the Hugging Face reference after a sync",
     "pause_resume: checks /pause, /resume and /is_paused semantics",
     "gpu: runs on a GPU layout (set on every case whose layout uses a GPU)",
+    "smoke: the seed flow on one server (gibberish, sync, parity, a request held by /pause "
+    "until /resume): `pytest -m smoke`, is it working?",
     "selftest: shows that a check fails when the behaviour it checks is broken",
     "faults: bad input, protocol misuse, dying processes and leaks",
     "breaks_server: the test may leave its server unusable; it runs after every other "
