@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import sys
 import threading
@@ -147,6 +148,25 @@ def test_emit_without_a_path_writes_under_the_ignored_cache(tmp_path, monkeypatc
     ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().splitlines()
     assert ".harness-cache/" in ignored
     assert _load(tmp_path / ".harness-cache" / "repro" / "repro.py").SCENARIO["ran"] is False
+
+
+def test_the_observed_problem_keeps_its_detail(tmp_path, monkeypatch, capsys):
+    """A greedy mismatch's first line ends in a colon ("differ from the reference:"), so
+    the emitted docstring said "reference:." and not what differed."""
+    from harness.oracles import parity
+
+    monkeypatch.setattr(repro, "run_scenario", lambda args, sc: (
+        "mismatch", "greedy token ids differ from the reference:\n  prompt 0 'The capital "
+        "of France is': greedy diverges at generated token 0: vllm 370 'dre' vs hf 416 'wo'",
+        {"server_version": "0.32.0"}))
+    path = tmp_path / "ran.py"
+    assert _repro("--corrupt", "drop", "--emit", str(path)) == 1
+    doc = " ".join(_load(path).__doc__.split())
+    assert "reference:." not in doc
+    assert "greedy token ids differ from the reference: prompt 0 'The capital of France " \
+           "is': greedy diverges at generated token 0" in doc, doc
+    # the wording the check really has
+    assert 'differ from the reference:\\n' in inspect.getsource(parity.assert_greedy_equal)
 
 
 def test_help_documents_the_exit_codes(capsys):
