@@ -409,6 +409,7 @@ def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
         if tr is not None:
             with _TERMINAL:
                 tr.write_line(f"weight-sync-harness: {line}")
+                tr.flush()  # a CI log (a pipe, a file) shows it now, not at the next test
     return write
 
 
