@@ -80,6 +80,33 @@ def test_a_slow_sync(session):
     session.sync(options={"bucket_bytes": 1 << 20, "bucket_delay_s": 120.0})
 '''
 
+# A test that holds a process of its own session (as the decoys below are), stopped by
+# its fixture's teardown, and waits; ``ready`` says it is waiting. No server.
+HOLDS_A_CHILD = '''
+import pathlib, subprocess, sys, time
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.fixture
+def child():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"],
+                         start_new_session=True)
+    (HERE / "child.pid").write_text(str(p.pid))
+    yield p
+    p.kill()
+    p.wait(30)
+    (HERE / "torn_down").write_text("yes")
+
+
+@pytest.mark.backends("shm")
+def test_holds_a_child(case, child):
+    (HERE / "ready").write_text("yes")
+    time.sleep(600)
+'''
+
 NEXT_RUN = '''
 import os, signal, time
 
@@ -397,6 +424,40 @@ def test_ctrl_c_during_a_sync_leaves_nothing_running(tmp_path):
         assert slow["outcome"] == "interrupted" and not s.report()["header"].get("complete"), slow
     finally:
         stop_everything_of(s)
+
+
+# ----------------------------------------------------------------------------- SIGTERM
+
+def test_sigterm_tears_down_and_leaves_nothing_running(tmp_path):
+    """SIGTERM, as CI runners and ``timeout`` send, to a session whose test holds a
+    process in a session of its own: pytest killed where it stood left it running (two
+    ``time.sleep(900)`` orphans of this file's decoys after a SIGTERM to the suite). The
+    run now ends as after Ctrl-C: interrupted, its fixtures torn down, nothing left. The
+    server side of an interrupt is the Ctrl-C test's above: the same path."""
+    s = start_session(tmp_path, "terminated", HOLDS_A_CHILD)
+    child = None
+    try:
+        wait_until(lambda: (s.dir / "ready").exists(), timeout=SESSION_LIMIT, interval=0.2,
+                   what="the terminated session's test to hold its child",
+                   abort=lambda: s.proc.poll() is not None and "the session ended early")
+        child = psutil.Process(int((s.dir / "child.pid").read_text()))
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(STOPPED_WITHIN)
+        time.sleep(0.5)
+        alive = child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        print(json.dumps({"exit": rc, "child_alive": alive}))
+        assert not alive, f"left running after SIGTERM: {child.pid}\n{s.output()[-3000:]}"
+        assert (s.dir / "torn_down").exists(), s.output()[-3000:]
+        assert rc == pytest.ExitCode.INTERRUPTED and "KeyboardInterrupt" in s.output(), \
+            f"exit {rc}:\n{s.output()[-3000:]}"
+        assert not describe(s.owned())
+    finally:
+        stop_everything_of(s)
+        if child is not None:  # started by the inner session: stopped here, by pid
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
 
 
 # ----------------------------------------------------------------------------- SIGKILL, next run

@@ -9,6 +9,7 @@ from harness.oracles import parity
 from harness.run.pool import State
 
 
+@pytest.mark.smoke
 @pytest.mark.fresh_server
 @pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
 def test_gibberish_before_sync(synced):
@@ -17,6 +18,7 @@ def test_gibberish_before_sync(synced):
     parity.assert_gibberish(synced.before)
 
 
+@pytest.mark.smoke
 @pytest.mark.fresh_server
 @pytest.mark.parity
 @pytest.mark.trainers("harness", "vllm", "user")  # vLLM's code too (-via-vllm), and yours
@@ -58,6 +60,7 @@ def test_the_gibberish_check_fails_after_a_reset_that_changes_nothing(session, m
     session.pool.set_holding(session.server_cfg, State.SYNCED, session.model_path)
 
 
+@pytest.mark.smoke
 @pytest.mark.pause_resume
 def test_request_while_paused_waits_for_resume(session):
     prompt = session.reference().prompts[0].prompt_ids

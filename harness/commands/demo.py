@@ -40,7 +40,20 @@ USES = (
 )
 
 
+EXIT_HELP = """\
+exit status:
+  0  every step passed: gibberish before the sync, parity with Hugging Face after it,
+     /pause and /resume as they should be
+  1  a step failed (the table says which and why): the server did not start, the
+     sync failed, or vLLM does not match the Hugging Face reference
+  2  usage error: a bad option value, a layout that needs more GPUs than this host
+     has, or a model that cannot be served (one line each, before anything starts)
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EXIT_HELP
     command_options.add_command_options(p, USES)
     p.add_argument("--max-tokens", type=int, default=16,
                    help="greedy tokens generated per prompt; default 16")
@@ -200,6 +213,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness demo: --vllm-model: {why}", file=sys.stderr)
         return 2
     layout = case.layout
+    if kind == "path":  # what vLLM needs of the directory, known before any server starts
+        from harness.models import requirements
+
+        said = requirements.problems(ref, cpu_server=not layout.server_gpus)
+        for line in said:
+            print(f"harness demo: --vllm-model: {line}", file=sys.stderr)
+        if said:
+            return 2
     if layout.gpus_needed > gpu_count():
         print(f"harness demo: layout {layout.name} needs {layout.gpus_needed} GPU(s), "
               f"{gpu_count()} available", file=sys.stderr)

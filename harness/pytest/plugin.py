@@ -15,14 +15,16 @@ import atexit
 import collections
 import dataclasses
 import os
+import threading
 import time
 import unittest
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from harness.core import measure
+from harness.core import facts, measure
 from harness.models import ModelUnavailable
 from harness.pytest import selection as _selection
 from harness.pytest import parametrize, summary
@@ -53,6 +55,8 @@ MARKERS = (
     "parity: compares vLLM with the Hugging Face reference after a sync",
     "pause_resume: checks /pause, /resume and /is_paused semantics",
     "gpu: runs on a GPU layout (set on every case whose layout uses a GPU)",
+    "smoke: the seed flow on one server (gibberish, sync, parity, a request held by /pause "
+    "until /resume): `pytest -m smoke`, is it working?",
     "selftest: shows that a check fails when the behaviour it checks is broken",
     "faults: bad input, protocol misuse, dying processes and leaks",
     "breaks_server: the test may leave its server unusable; it runs after every other "
@@ -138,12 +142,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(kind(str(w.message)), stacklevel=2)
     if s.harness_require_gpu and s.gpus() == 0:
         raise pytest.UsageError("--harness-require-gpu: no GPU is visible to this run")
+    _refuse_gpu_only_selection(config, s)
+    _refuse_unservable_models(config, s)
     state = config.stash[STATE] = RunState(s)
     parallel.share_threads(config)
     if parallel.ours(config) and not hasattr(config, "workerinput"):
         parallel.controller_dir()  # the workers, started after this, inherit its path
         config.pluginmanager.register(_GpuCaseCounter(state), "harness-gpu-cases")
         config.pluginmanager.register(_InterruptedRun(), "harness-interrupted-run")
+        config.pluginmanager.register(_WorkerLines(), "harness-worker-lines")
     if s.harness_shard:  # applied after -k, -m and the harness's deselection
         from harness.pytest.sharding import ShardPlugin
 
@@ -156,6 +163,71 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(ReportPlugin(config, Path(s.harness_report), state,
                                                    worker=hasattr(config, "workerinput")),
                                       "harness-report")
+
+
+def _refuses(config: pytest.Config, s: _settings.Settings) -> bool:
+    """Does a selection of GPU cases none of which can run here end this run before it
+    starts? Not when it only collects or plans, or when --harness-allow-no-gpu is set."""
+    return not (s.harness_allow_no_gpu or s.harness_plan or config.option.collectonly)
+
+
+def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> None:
+    """Before collection (10-25 s of imports): a selection that the options and -k
+    certainly confine to GPU cases this host cannot run (``--vllm-backend ipc-packed``,
+    ``-k ipc`` on a host without GPUs) is one usage error, exit 4, before any test runs.
+    Selections this cannot judge are refused at the end of collection instead."""
+    if not _refuses(config, s):
+        return
+    from harness.run import layouts
+    from harness.transfer import VARIANTS
+
+    if not any(VARIANTS[b].needs_gpu for b in s.vllm_backend) and not any(
+            layouts.LAYOUTS[n].gpus_needed for n in s.vllm_layout):
+        return  # nothing selected needs a GPU: no probe
+    gpus = s.gpus()
+    tails = [f"{facts.short_dtype(d)}-{Path(m).name}" for d in s.vllm_dtype for m in s.vllm_model]
+
+    def ids(names, here: bool) -> list[str]:
+        return [f"{b}-{n}-{t}" for b in s.vllm_backend for n in names for t in tails
+                if layouts.runs_on(VARIANTS[b], layouts.LAYOUTS[n])
+                and (layouts.LAYOUTS[n].gpus_needed <= gpus) == here]
+    keyword = getattr(config.option, "keyword", "") or ""
+    marks = getattr(config.option, "markexpr", "") or ""
+    named = _selection.names_only_gpu_cases(
+        keyword, marks, ids(s.vllm_layout, False), ids(layouts.LAYOUTS, True),
+        _selection.case_vocabulary(VARIANTS, {v.engine for v in VARIANTS.values()},
+                                   layouts.LAYOUTS))
+    if not named:
+        return
+    who = " ".join([f"{o.flag} {','.join(getattr(s, o.name))}" for o in _settings.OPTIONS
+                    if o.name in ("vllm_backend", "vllm_layout") and o.name in s.explicit]
+                   + ([_selection.asked(config)] if _selection.asked(config) else []))
+    need = sorted({(layouts.LAYOUTS[n].gpus_needed, n) for n in s.vllm_layout
+                   if any(f"-{n}-" in i for i in named)})
+    raise pytest.UsageError(
+        f"{who or 'the selection'} selects only GPU cases (on "
+        + ", ".join(f"{n}, {k} GPU{'s' if k > 1 else ''}" for k, n in need)
+        + f") and this host has {gpus} GPU(s): nothing was run; the CPU cases are "
+        "-k shm, and --harness-allow-no-gpu runs the rest of the selection")
+
+
+def _refuse_unservable_models(config: pytest.Config, s: _settings.Settings) -> None:
+    """A model directory of the user's that no server could serve or the checks use
+    (no tokenizer, too few positions, a head size a CPU server refuses) is one line per
+    problem, exit 4, before any server starts (``harness.models.requirements``)."""
+    from harness import models
+    from harness.models import requirements
+    from harness.run import layouts
+
+    paths = [v for kind, v in (models.classify_model(m) for m in s.vllm_model) if kind == "path"]
+    if not paths or s.harness_plan or config.option.collectonly:
+        return
+    cpu = any(not layouts.LAYOUTS[n].server_gpus for n in s.vllm_layout) and (
+        "vllm_layout" in s.explicit or s.gpus() == 0)
+    said = [f"--vllm-model: {p}" for path in paths
+            for p in requirements.problems(path, cpu_server=cpu)]
+    if said:
+        raise pytest.UsageError("\n".join(said))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -225,6 +297,16 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     state.items = [it for it in items if case_of(it) is not None]
+    if state.dropped and _refuses(config, state.settings):
+        short = _selection.gpu_shortfall(
+            _selection.selected(state.dropped, _selection.matcher(config)),
+            len(state.items), state.settings.gpus(), _selection.asked(config))
+        if short and not hasattr(config, "workerinput"):
+            raise pytest.UsageError(short)
+        if short:  # a worker runs nothing; the controller says why (pytest_sessionfinish)
+            config.hook.pytest_deselected(items=list(items))
+            items[:] = state.items = []
+            return
     from harness import known_issues
 
     in_use = (state.items or state.settings.explicit or os.environ.get(known_issues.ENV_PATH)
@@ -277,8 +359,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     s = state.settings
     if s.harness_plan:
         session.config.option.collectonly = True  # the plan is all this run does, always
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    pinned = summary.zoo_pinned_line(session.config, state)
+    if pinned and tr is not None and not hasattr(session.config, "workerinput"):
+        tr.write_line(pinned)  # said before the tests run, and again in the summary
     if not state.items:
-        tr = session.config.pluginmanager.get_plugin("terminalreporter")
         if s.harness_plan and tr is not None:
             tr.write_line("weight-sync-harness plan: no server is planned (no selected test "
                           "takes a case that can run here)")
@@ -311,6 +396,40 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 for line in parallel.describe(state.partition, every, host,
                                               sum(1 for x in every if x is None)):
                     tr.write_line(line)
+
+
+_TERMINAL = threading.Lock()
+
+
+def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
+    """A line on the terminal from any thread (server starts run in threads), whatever
+    the verbosity: a run that starts servers is silent for minutes otherwise."""
+    def write(line: str) -> None:
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            with _TERMINAL:
+                tr.write_line(f"weight-sync-harness: {line}")
+                tr.flush()  # a CI log (a pipe, a file) shows it now, not at the next test
+    return write
+
+
+class _WorkerLines:
+    """The controller of a side-by-side run prints its workers' server starts
+    (``parallel.LineTail``) while the run goes."""
+
+    def __init__(self) -> None:
+        self.tail: parallel.LineTail | None = None
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        folder = os.environ.get(parallel.DIR_ENV)
+        if folder:
+            self.tail = parallel.LineTail(folder, _terminal_line(session.config)).start()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.tail is not None:
+            self.tail.stop()
+            self.tail = None
 
 
 class _InterruptedRun:
@@ -357,6 +476,8 @@ def pytest_runtestloop(session: pytest.Session):
     # A plan without servers starts no pool: the process-wide spares and retiring
     # trainers stay the business of the run that has servers (a pytest run inside a
     # test, as the harness's own tests make, must not stop the outer run's spares).
+    if state is not None and state.case_count and runs:
+        _terminable()
     if state is not None and state.plan is not None and state.plan.servers and runs:
         _start_pool(session.config, state)
     elif (state is not None and runs
@@ -392,6 +513,27 @@ def _interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM ends the run as Ctrl-C does: fixtures are torn down, servers and
+    trainers stopped (a second SIGTERM kills at once, as before)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _terminable() -> None:
+    """CI runners and ``timeout`` end a job with SIGTERM, whose default kills pytest
+    where it stands: no fixture teardown, so what a test started in a session of its own
+    was left running (two orphans of tests/test_faults_sessions.py). A run of harness
+    cases takes SIGTERM as an interrupt, unless someone else handles it already."""
+    import signal
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
     _interruptible()
     s = state.settings
@@ -414,7 +556,8 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
     pool = state.pool = ServerPool(log_dir, start_timeout=s.vllm_start_timeout,
                                    processes=processes,
                                    max_alive=plan.max_alive if plan else 2,
-                                   max_starting=max_starting, url=s.vllm_url, slots=slots)
+                                   max_starting=max_starting, url=s.vllm_url, slots=slots,
+                                   announce=parallel.announcer(config, _terminal_line(config)))
     if plan is not None:
         # every planned server's trainer: started and prepared as soon as it is up
         paths: dict[str, str] = {}
@@ -625,6 +768,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    import signal
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a pytest run inside a test
     state = config.stash.get(STATE, None)
     if state is not None and hasattr(config, "workeroutput"):  # all of it, sessionfinish done
         parallel.save_record(config, state, final=True)

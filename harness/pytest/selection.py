@@ -7,8 +7,10 @@ or dtypes the options did not select). Those cases are counted here as ``-k`` an
 ``-k zzznomatch`` of none; the summary is at most three lines, whatever the selection.
 
 A selection that names GPU cases of which none can run here (``-k ipc`` on a CPU host)
-fails the run (exit 1) unless ``--harness-allow-no-gpu`` says that is expected: its
-other tests passing (26 unit tests whose names hold "ipc") is not what it asked for.
+is refused before any test runs (exit 4) unless ``--harness-allow-no-gpu`` says that is
+expected: its other tests passing (26 unit tests whose names hold "ipc") is not what it
+asked for. Where the options and ``-k`` alone show it (``names_only_gpu_cases``), before
+collection; else at its end.
 
 Nothing here imports the rest of the harness.
 """
@@ -124,5 +126,75 @@ def gpu_shortfall(reasons: list[str], runnable: int, gpus: int, selection: str) 
     if not n or runnable:
         return None
     who = f"the selection ({selection})" if selection else "the selection"
-    return (f"{who} names {n} GPU case(s) and none can run here ({gpus} GPU(s)): failed; "
-            "--harness-allow-no-gpu accepts that")
+    return (f"{who} names {n} GPU case(s) and none can run here ({gpus} GPU(s)): nothing "
+            "was run; --harness-allow-no-gpu runs the rest of the selection")
+
+
+# The words of a case id that -k is documented to select by: an engine, a backend
+# variant, a layout. Before collection they are judged from the case ids alone; any
+# other word of -k may match a test's own name, module or markers, so it is left free.
+def case_vocabulary(backends: Iterable[str], engines: Iterable[str],
+                    layout_names: Iterable[str]) -> frozenset[str]:
+    return frozenset(w.lower() for w in (*backends, *engines, *layout_names))
+
+
+class _Free(Exception):
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _values(expression: str, decided: Callable[[str], bool | None], limit: int = 10
+            ) -> set[bool]:
+    """The values a -k or -m expression can take when ``decided(name)`` fixes some of
+    its names (True or False) and leaves the rest (None) free: every assignment of the
+    free names is tried, up to ``limit`` of them (beyond: both values)."""
+    from _pytest.mark.expression import Expression
+
+    expr = Expression.compile(expression)
+    out: set[bool] = set()
+
+    def run(assign: dict[str, bool]) -> None:
+        def match(name: str, /, **kwargs) -> bool:
+            key = f"{name}{sorted(kwargs.items())}" if kwargs else name  # -m 'm(k=v)': free
+            got = None if kwargs else decided(name)
+            if got is not None:
+                return got
+            if key in assign:
+                return assign[key]
+            raise _Free(key)
+        try:
+            out.add(bool(expr.evaluate(match)))
+        except _Free as f:
+            if len(assign) >= limit:
+                out.update((True, False))
+                return
+            run({**assign, f.name: True})
+            run({**assign, f.name: False})
+    run({})
+    return out
+
+
+def names_only_gpu_cases(keyword: str, marks: str, gpu_ids: Iterable[str],
+                         here_ids: Iterable[str], vocabulary: frozenset[str]) -> list[str]:
+    """Before anything is collected: the case ids of ``gpu_ids`` (cases whose layout
+    needs more GPUs than this host has) that ``-k keyword -m marks`` selects, when it
+    can select none of ``here_ids`` (cases that run here); else []. A word of
+    ``vocabulary`` is judged by whether the id holds it; any other word may be in a
+    test's own name, module or markers: a case that runs here is counted as selected if
+    some such words make the selection hold, a GPU case only if it holds without them
+    (a test named by none of them). ``-m`` is judged only by its ``gpu`` marker. A
+    selection that cannot be read (pytest says why itself) gives []."""
+    def judge(case_id: str, gpu: bool, free: bool | None) -> set[bool]:
+        def by_word(name: str) -> bool | None:
+            return name.lower() in case_id.lower() if name.lower() in vocabulary else free
+        def by_mark(name: str) -> bool | None:
+            return gpu if name == "gpu" else free
+        k = _values(keyword, by_word) if keyword.strip() else {True}
+        m = _values(marks, by_mark) if marks.strip() else {True}
+        return {a and b for a in k for b in m}
+    try:
+        if any(True in judge(i, False, None) for i in here_ids):
+            return []
+        return [i for i in gpu_ids if judge(i, True, False) == {True}]
+    except (ImportError, SyntaxError):  # pytest reports a bad expression itself
+        return []

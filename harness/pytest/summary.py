@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -28,11 +29,35 @@ def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[
     ]
 
 
+def zoo_pinned_line(config: pytest.Config, state) -> str | None:
+    """With --vllm-model naming no zoo model (a directory, a hub id): the one line that
+    says how many selected tests are pinned to zoo models, which it deselects; None
+    otherwise."""
+    from harness.models import ZOO
+
+    s = state.settings
+    if "vllm_model" not in s.explicit or any(m in ZOO for m in s.vllm_model):
+        return None
+    keep = _selection.matcher(config)
+    pinned = [item.get_closest_marker("models") for _, item in state.dropped if keep(item)]
+    zoo = sorted({a for m in pinned if m is not None for a in m.args if a in ZOO})
+    n = sum(1 for m in pinned if m is not None and any(a in ZOO for a in m.args))
+    if not n:
+        return None
+    return (f"--vllm-model {','.join(os.path.basename(m) or m for m in s.vllm_model)}: {n} "
+            f"test(s) pinned to zoo models ({', '.join(zoo)}) deselected; they run on those "
+            "models only")
+
+
 def said_lines(config: pytest.Config, state) -> list[str]:
-    """What the selection asked for and what can run here, in at most three lines."""
+    """What the selection asked for and what can run here, in at most three lines (and
+    the zoo-pinned tests an own model leaves out, in one more)."""
     reasons = _selection.selected(state.dropped, _selection.matcher(config))
     said = _selection.summary(reasons, state.case_count, _selection.asked(config),
                               state.settings.gpus())
+    pinned = zoo_pinned_line(config, state)
+    if pinned:
+        said.append(pinned)
     if config.option.verbose > 0:
         said += _selection.detail(reasons)
     return said

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 from harness import models
 from harness.core import facts
 from harness.core.facts import DEFAULT_MODE, DEFAULT_TRAINER
+from harness.models import requirements
 from harness.run import layouts
 from harness.trainer.user import label as trainer_label
 from harness.transfer import VARIANTS, BackendVariant
@@ -283,6 +284,9 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
               gpu_memory_utilization=GPU_MEMORY_FRACTION if lay.server_gpus else None,
               kv_cache_memory_bytes=GPU_KV_CACHE_BYTES if lay.server_gpus else None,
               enforce_eager=case.mode == "eager")
+    if Path(model_path).is_dir():  # within the model's positions (vLLM refuses more)
+        default = ServerConfig.__dataclass_fields__["max_model_len"].default
+        kw["max_model_len"] = requirements.max_model_len(str(model_path), default)
     for f in case.features:  # features add to each other's arguments and environment
         for key, value in FEATURES[f].server:
             kw[key] = kw.get(key, ()) + value if key in ("extra_args", "extra_env") else value

@@ -31,9 +31,10 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from harness.run import partition
 from harness.run import plan as _plan
@@ -537,6 +538,69 @@ def read_partition(collection: Sequence[str], wait: float = PARTITION_WAIT_S) ->
         raise RuntimeError(f"weight-sync-harness: gw0's partition lacks {len(missing)} of the "
                            f"collected tests, e.g. {missing[0]}")
     return [bins[nid] for nid in collection]
+
+
+# ----------------------------------------------------------------------------- lines
+
+LINES_FILE = "lines-{}.txt"   # a worker's lines for the terminal, in the run's folder
+
+
+def announcer(config, write: Callable[[str], None]) -> Callable[[str], None]:
+    """How a pool says that a server starts or is up: ``write`` (the terminal), or on a
+    worker of a side-by-side run a line in the run's folder that the controller prints
+    (``LineTail``): pytest-xdist shows nothing a worker prints."""
+    d, wi = os.environ.get(DIR_ENV), getattr(config, "workerinput", None)
+    if wi is None:
+        return write
+    if not d or not Path(d).is_dir():
+        return lambda line: None
+    path = Path(d) / LINES_FILE.format(wi["workerid"])
+
+    def say(line: str) -> None:
+        try:
+            with open(path, "a") as f:
+                f.write(f"[{wi['workerid']}] {line}\n")
+        except OSError:  # the controller's folder went: the run is over
+            pass
+    return say
+
+
+class LineTail:
+    """On the controller: the workers' lines (``announcer``), printed as they come by a
+    thread that reads the run's folder every ``every_s`` seconds."""
+
+    def __init__(self, folder: str, write: Callable[[str], None], every_s: float = 1.0):
+        self.folder, self.write, self.every_s = Path(folder), write, every_s
+        self._read: dict[Path, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="harness-worker-lines",
+                                        daemon=True)
+
+    def start(self) -> "LineTail":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.poll()
+
+    def poll(self) -> None:
+        for path in sorted(self.folder.glob(LINES_FILE.format("*"))):
+            try:
+                with open(path) as f:
+                    f.seek(self._read.get(path, 0))
+                    text = f.read()
+            except OSError:
+                continue
+            done = text[:text.rfind("\n") + 1]  # whole lines only
+            self._read[path] = self._read.get(path, 0) + len(done.encode())
+            for line in done.splitlines():
+                self.write(line)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()
 
 
 OWNER_FILE = "controller.pid"  # in the folder: the process that made it, and removes it

@@ -43,6 +43,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from harness import models
 from harness.core import measure
@@ -94,7 +95,10 @@ class Holding:
 class ServerPool:
     def __init__(self, log_dir: Path, *, start_timeout: float, max_alive: int,
                  max_starting: int | None = None, url: str | None = None, reap: bool = True,
-                 processes: TrainerProcesses | None = None, slots: StartSlots | None = None):
+                 processes: TrainerProcesses | None = None, slots: StartSlots | None = None,
+                 announce: Callable[[str], None] | None = None):
+        # a line when each server starts and when it is up (the terminal's, even under -q)
+        self.announce = announce or (lambda line: None)
         # the run's trainer spares and retired trainers (the pytest session's)
         self.processes = processes or TrainerProcesses()
         # a parallel run's start slots, the host's, shared with the other workers
@@ -255,6 +259,8 @@ class ServerPool:
                 if self._closed:  # the run ended while it waited for its slot
                     raise ServerError(f"not started: the run is ending ({cfg.describe()})")
                 t_built = time.monotonic()
+                self.announce(f"vLLM server starting{' again' if again else ''}: "
+                              f"{cfg.describe()}")
                 try:  # a zoo model is built in its server's start, beside the other starts
                     models.ensure_built(cfg.model)
                 except models.ModelUnavailable as e:
@@ -264,6 +270,9 @@ class ServerPool:
         except BaseException as e:
             for spare in early:
                 spare.discard()
+            if not isinstance(e, Abandoned):
+                self.announce(f"vLLM server failed to start after "
+                              f"{time.monotonic() - t0:.0f}s: {cfg.describe()}")
             if isinstance(e, Abandoned):
                 raise ServerError(f"not started: the run is ending ({cfg.describe()})") from None
             raise
@@ -287,6 +296,7 @@ class ServerPool:
                 record["restart_reason"] = why
             if cfg in self._unplanned:
                 record["unplanned"] = f"not in the plan; started for {self._unplanned[cfg]}"
+            self.announce(f"vLLM server up in {srv.start_seconds:.0f}s: {cfg.describe()}")
             record.update(self._prepare_trainers(cfg, srv, early))
             with self._lock:
                 self.started.append(record)

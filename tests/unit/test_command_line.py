@@ -153,3 +153,16 @@ def test_the_small_commands_say_errors_in_the_same_style(capsys, tmp_path):
     assert reaper.main(["--nope"]) == 2
     assert capsys.readouterr().err == ("python -m harness.vllm.reaper: unrecognized arguments: "
                                        "--nope (see python -m harness.vllm.reaper --help)\n")
+
+
+def test_demo_help_lists_its_exit_statuses(capsys):
+    """`harness demo --help` had no exit statuses (harness repro's had them)."""
+    from harness.commands import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit status:" in out
+    for line in ("0  every step passed", "1  a step failed", "2  usage error"):
+        assert line in out, out

@@ -386,3 +386,25 @@ def test_the_host_sampler_keeps_its_pace_when_a_test_stubs_time_sleep(fake_pool,
     pool.stop_all()
     pool._sampler.join(timeout=5)
     assert not pool._sampler.is_alive(), "the sampler outlived its pool"
+
+
+def test_the_smoke_selection_is_the_seed_flow_on_one_server(child_pytest):
+    """`pytest -m smoke` ("is it working?"): the seed flow (gibberish, sync, parity) and a
+    request held by /pause until /resume, on one server: the default CPU run's llama
+    float32 shm server, no twin. `-k "llama and sync"` took 18 min on 5 servers."""
+    from child_pytest import CPU_HOST, NO_GPU
+
+    plan = child_pytest.plan(CPU_HOST, "-m", "smoke", env=NO_GPU)
+    configs = [s["config"] for s in plan["servers"]]
+    assert len(configs) == 1 and plan["starts"] == 1, configs
+    assert re.match(r"llama-[0-9a-f]{12} float32 backend=shm load=dummy cpu tp=1", configs[0])
+    tests = child_pytest("--harness-plan", "--harness-plan-host", CPU_HOST, "-m", "smoke",
+                         env=NO_GPU).nodeids()
+    assert plan["servers"][0]["tests"] == len(tests) and all(
+        t.startswith("tests/test_sync.py::") for t in tests), tests
+    for name in ("test_gibberish_before_sync[shm-cpu-fp32-llama]",
+                 "test_parity_after_sync[shm-cpu-fp32-llama]",
+                 "test_request_while_paused_waits_for_resume[shm-cpu-fp32-llama]"):
+        assert any(t.endswith(name) for t in tests), (name, tests)
+    default = child_pytest.plan(CPU_HOST, env=NO_GPU)  # the same server as the default run's
+    assert configs[0] in [s["config"] for s in default["servers"]]

@@ -390,17 +390,54 @@ def test_the_deselection_summary_counts_what_k_selected_on_at_most_three_lines(p
 
 def test_a_selection_of_gpu_cases_none_of_which_can_run_fails(project):
     """`pytest -k ipc` on a CPU host passed (exit 0, its unit tests named *ipc*) without
-    running one IPC case. It fails now, unless --harness-allow-no-gpu says that is fine;
-    a selection with cases that run here (shm) is not a failure."""
+    running one IPC case; then it failed, but only after running those unit tests (215 s
+    in the suite). It is refused now before any test runs, unless --harness-allow-no-gpu
+    says that is fine; a selection with cases that run here (shm) is not refused."""
     project.makepyfile(test_units="def test_ipc_words():\n    pass\n")
     r = project.runpytest("-q", "-k", "ipc")
-    assert r.ret == pytest.ExitCode.TESTS_FAILED, r.stdout.str()
-    assert "names 16 GPU case(s) and none can run here (0 GPU(s)): failed; " \
-           "--harness-allow-no-gpu accepts that" in r.stdout.str()
+    assert r.ret == pytest.ExitCode.USAGE_ERROR, r.stdout.str()
+    assert "ERROR: -k 'ipc' selects only GPU cases (on 1gpu-colocated, 1 GPU, 2gpu-ipc-gpu1, " \
+           "2 GPUs) and this host has 0 GPU(s): nothing was run" in r.stderr.str()
+    assert "passed" not in r.stdout.str()
     r = project.runpytest("-q", "-k", "ipc", "--harness-allow-no-gpu")
     assert r.ret == pytest.ExitCode.OK, r.stdout.str()
     r = project.runpytest("-q", "-k", "ipc or shm")
     assert r.ret == pytest.ExitCode.OK, r.stdout.str()
+
+
+def test_a_selection_of_gpu_cases_judged_only_after_collection_runs_nothing(project):
+    """A -k that names a test by its own name ("plain") is judged at the end of
+    collection: still before any test runs."""
+    project.makepyfile(test_units="def test_ipc_plain_words():\n    pass\n")
+    r = project.runpytest("-q", "-k", "ipc and plain")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR, r.stdout.str()
+    assert "ERROR: the selection (-k 'ipc and plain') names 4 GPU case(s) and none can run " \
+           "here (0 GPU(s)): nothing was run" in r.stderr.str()
+    assert "passed" not in r.stdout.str() and "selects only" not in r.stderr.str()
+
+
+@pytest.mark.parametrize("args", [
+    ["--vllm-model", "OWN", "--vllm-dtype", "bf16", "-k", "ipc"],  # the README's own-model line
+    ["--vllm-backend", "ipc-packed"],
+    ["--vllm-backend", "nccl-packed,ipc-unpacked", "-k", "not smollm2"],
+], ids=["own-model-k-ipc", "backend-ipc-packed", "gpu-backends-k-not"])
+def test_gpu_only_options_are_refused_before_collection(project, tmp_path, args):
+    """`pytest --vllm-model DIR --vllm-dtype bf16 -k ipc` ran 49 unit tests for 215 s
+    before failing; `pytest --vllm-backend ipc-packed` was not refused at all (GPU-free
+    tests for 10 minutes). Both are one line now, before anything is collected: a test
+    module that would fail to import shows collection never began."""
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "config.json").write_text('{"model_type": "llama"}')
+    project.makepyfile(test_units="raise RuntimeError('collected')\ndef test_ipc_words():\n"
+                                  "    pass\n")
+    r = project.runpytest("-q", *[str(tmp_path / "own") if a == "OWN" else a for a in args])
+    assert r.ret == pytest.ExitCode.USAGE_ERROR, r.stdout.str() + r.stderr.str()
+    err = [ln for ln in r.stderr.str().splitlines() if ln.strip()]
+    assert len(err) == 1 and "selects only GPU cases" in err[0] and "0 GPU(s)" in err[0], err
+    assert "collected" not in r.stdout.str() + r.stderr.str()
+    r = project.runpytest("-q", "--co", *[str(tmp_path / "own") if a == "OWN" else a
+                                          for a in args])
+    assert r.ret != pytest.ExitCode.USAGE_ERROR  # collecting only is never refused
 
 
 def test_plan_runs_nothing_even_when_no_server_is_planned(project):
@@ -424,6 +461,28 @@ def test_pinned_tests_the_options_left_out_are_one_line(project):
     assert len(said) <= 3, said
     assert sum("pinned to" in ln for ln in said) == 1, said
     assert "4 test(s) pinned to what the options did not select" in " ".join(said), said
+
+
+def test_an_own_model_says_which_zoo_pinned_tests_it_leaves_out(project, tmp_path):
+    """The README promised that with --vllm-model naming an own model, "tests pinned to
+    zoo architectures are deselected, with one line saying so"; in 4 runs no such line
+    appeared. It is said when collection ends (under -q too) and in the summary."""
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "config.json").write_text('{"model_type": "llama"}')
+    (own / "tokenizer.json").write_text("{}")
+    project.makepyfile(test_more="import pytest\n\n"
+                       "@pytest.mark.models('opt')\ndef test_opt(case):\n    pass\n\n"
+                       "@pytest.mark.models('gpt2', 'qwen3')\ndef test_two(case):\n    pass\n")
+    r = project.runpytest("-q", "--vllm-model", str(own), "--vllm-backend", "shm")
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()
+    line = ("--vllm-model mine: 3 test(s) pinned to zoo models (gpt2, llama-tied, opt, qwen3) "
+            "deselected; they run on those models only")
+    out = r.stdout.lines
+    assert out.count(line) == 2, r.stdout.str()
+    assert out.index(line) < min(i for i, ln in enumerate(out) if "passed" in ln or "[100%]" in ln)
+    r = project.runpytest("-q", "--vllm-model", "llama", "--vllm-backend", "shm")
+    assert "zoo models" not in r.stdout.str()
 
 
 def test_what_the_depth_line_promises_full_depth_runs(project):

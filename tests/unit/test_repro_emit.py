@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import sys
 import threading
@@ -117,6 +118,55 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monke
     assert err == f"harness repro: {message}\n"
     assert out == ""
     assert not started and not list(tmp_path.iterdir())
+
+
+def test_a_scenario_that_needs_gpus_is_one_line(capsys, monkeypatch):
+    """`harness repro --vllm-backend nccl` on a CPU host printed two lines, both
+    "harness repro:" (the scenario, then the refusal)."""
+    from harness.run import layouts
+
+    monkeypatch.setattr(layouts, "gpu_count", lambda: 0)
+    started = []
+    monkeypatch.setattr(repro, "run_scenario", lambda *a: started.append(a))
+    assert _repro("--vllm-backend", "nccl") == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not started
+    assert err == ("harness repro: nccl-packed 2gpu-split float32 llama: layout 2gpu-split "
+                   "needs 2 GPU(s), 0 available\n")
+
+
+def test_emit_without_a_path_writes_under_the_ignored_cache(tmp_path, monkeypatch, capsys):
+    """`harness repro ... --emit repro.py` (the README's line) left repro.py and
+    repro_shm_engine.py untracked in the repository's root. `--emit` alone writes them
+    under .harness-cache/, which .gitignore leaves out, and nothing else."""
+    monkeypatch.chdir(tmp_path)
+    assert _repro("--emit-only", "--emit") == 0
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) \
+        == [".harness-cache/repro/repro.py", ".harness-cache/repro/repro_shm_engine.py"]
+    assert "wrote .harness-cache/repro/repro.py, .harness-cache/repro/repro_shm_engine.py" \
+        in capsys.readouterr().out
+    ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().splitlines()
+    assert ".harness-cache/" in ignored
+    assert _load(tmp_path / ".harness-cache" / "repro" / "repro.py").SCENARIO["ran"] is False
+
+
+def test_the_observed_problem_keeps_its_detail(tmp_path, monkeypatch, capsys):
+    """A greedy mismatch's first line ends in a colon ("differ from the reference:"), so
+    the emitted docstring said "reference:." and not what differed."""
+    from harness.oracles import parity
+
+    monkeypatch.setattr(repro, "run_scenario", lambda args, sc: (
+        "mismatch", "greedy token ids differ from the reference:\n  prompt 0 'The capital "
+        "of France is': greedy diverges at generated token 0: vllm 370 'dre' vs hf 416 'wo'",
+        {"server_version": "0.32.0"}))
+    path = tmp_path / "ran.py"
+    assert _repro("--corrupt", "drop", "--emit", str(path)) == 1
+    doc = " ".join(_load(path).__doc__.split())
+    assert "reference:." not in doc
+    assert "greedy token ids differ from the reference: prompt 0 'The capital of France " \
+           "is': greedy diverges at generated token 0" in doc, doc
+    # the wording the check really has
+    assert 'differ from the reference:\\n' in inspect.getsource(parity.assert_greedy_equal)
 
 
 def test_help_documents_the_exit_codes(capsys):

@@ -3,7 +3,7 @@ as a standalone script for a bug report.
 
     harness repro --vllm-backend shm --vllm-model llama --vllm-dtype float32 \\
         --vllm-layout cpu [--pause-mode keep] [--corrupt drop] [--vllm-url URL] \\
-        [--emit repro.py]
+        [--emit [PATH]]
 
 Steps (each printed as it runs): build/resolve the model, start the server (its log
 path is printed; the tail is printed on failure), Hugging Face reference, observe
@@ -51,6 +51,11 @@ With --expect VERDICT: 0 when the verdict is VERDICT, 3 for an unexpected error,
 """
 
 
+# Where --emit without a path writes: under the harness's own cache folder, which the
+# project's .gitignore leaves out, not beside the user's sources.
+DEFAULT_EMIT = Path(".harness-cache") / "repro" / "repro.py"
+
+
 class UsageError(ValueError):
     """A bad option value; printed as one line, exit status 2."""
 
@@ -92,9 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the verdict should be mismatch")
     p.add_argument("--expect", default=None, metavar="VERDICT",
                    help=f"exit 0 iff the verdict is this one ({', '.join(VERDICTS)})")
-    p.add_argument("--emit", type=Path, default=None, metavar="PATH",
+    p.add_argument("--emit", type=Path, nargs="?", const=DEFAULT_EMIT, default=None,
+                   metavar="PATH",
                    help="also write a standalone script that reproduces this scenario (for "
-                        "shm, also PATH's stem + _shm_engine.py next to it)")
+                        "shm, also PATH's stem + _shm_engine.py next to it); without PATH, "
+                        f"{DEFAULT_EMIT}, a folder git ignores")
     p.add_argument("--trainer-api", default=None, metavar="API",
                    help="nccl and ipc: the vLLM trainer API the emitted script holds (factory: "
                         "vLLM 0.27.1+ for IPC, 0.28.0+ for NCCL; static: 0.26); default: the one "
@@ -155,6 +162,8 @@ class Scenario:
                              "emitted script starts its own server")
         if args.emit is not None and args.emit.is_dir():
             raise UsageError(f"--emit {args.emit} is a directory; name the script file")
+        if args.emit == DEFAULT_EMIT:
+            DEFAULT_EMIT.parent.mkdir(parents=True, exist_ok=True)
         if args.emit is not None:  # the rule of every output file (--harness-report's)
             from harness.pytest.settings import output_file
 
@@ -409,8 +418,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     for note in sc.notes:
         print(f"harness repro: {note}", file=sys.stderr)
-    print(f"harness repro: {sc.describe()}")
     if args.emit_only:
+        print(f"harness repro: {sc.describe()}")
         expectation = repro_emit.expectation_not_run(sc.corrupt, args.expect)
         try:
             written = emit_script(sc, args, expectation)
@@ -427,10 +436,19 @@ def run(args: argparse.Namespace) -> int:
     if why:  # refused now, not by a Hugging Face traceback after the server started
         print(f"harness repro: --vllm-model: {why}", file=sys.stderr)
         return EXIT_USAGE
+    if sc.model_kind == "path":  # what vLLM needs of the directory (models.requirements)
+        from harness.models import requirements
+
+        said = requirements.problems(sc.model_ref, cpu_server=not sc.layout.server_gpus)
+        for line in said:
+            print(f"harness repro: --vllm-model: {line}", file=sys.stderr)
+        if said:
+            return EXIT_USAGE
     if sc.layout.gpus_needed > gpu_count():  # refused now, not at the sync a minute later
-        print(f"harness repro: layout {sc.layout.name} needs {sc.layout.gpus_needed} GPU(s), "
-              f"{gpu_count()} available", file=sys.stderr)
+        print(f"harness repro: {sc.describe()}: layout {sc.layout.name} needs "
+              f"{sc.layout.gpus_needed} GPU(s), {gpu_count()} available", file=sys.stderr)
         return EXIT_USAGE
+    print(f"harness repro: {sc.describe()}")
     t0 = time.monotonic()
     verdict, explanation, facts = run_scenario(args, sc)
     print(f"\nverdict: {verdict.upper()} ({time.monotonic() - t0:.0f}s)\n{explanation}")

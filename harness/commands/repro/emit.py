@@ -168,7 +168,10 @@ def expectation_observed(verdict: str, explanation: str, facts: dict[str, Any]) 
     observed: dict[str, Any] = {"verdict": verdict, "server_version": facts.get("server_version")}
     if facts.get("after"):
         observed.update(facts["after"])
-    first = explanation.strip().splitlines()[0] if explanation.strip() else ""
+    lines = [ln.strip() for ln in explanation.strip().splitlines() if ln.strip()]
+    first = lines[0] if lines else ""
+    if first.endswith(":") and len(lines) > 1:  # "differ from the reference:" + its detail
+        first = f"{first} {lines[1]}"
     if verdict != "parity" and first:
         observed["first_problem"] = first[:300]
     return Expectation(verdict, True, f"observed when emitted: {verdict}", _plain(observed))
