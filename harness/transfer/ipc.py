@@ -41,7 +41,8 @@ class IpcSendError(RuntimeError):
 class Sender:
     """CUDA IPC from the trainer's GPU, which must be the server's. Options: ``device``,
     ``packed_buffer_size_bytes`` (the staging buffer; vLLM's default is 1 GiB,
-    allocated on the trainer's GPU when packed)."""
+    allocated on the trainer's GPU when packed), ``weight_version`` (sent with every
+    ``/finish_weight_update``)."""
 
     def __init__(self, client, *, packed: bool, options: dict):
         import torch
@@ -50,7 +51,7 @@ class Sender:
         self.device = cuda_device(options, IpcSendError, "CUDA IPC shares CUDA memory")
         # vLLM reads the current device to name the GPU (its UUID) in every handle.
         torch.cuda.set_device(self.device)
-        self.rc = vllm_api.RecordingClient(client)
+        self.rc = vllm_api.RecordingClient(client, options.get("weight_version"))
         self.packed = packed
         geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
                     if options.get("packed_buffer_size_bytes") else {})

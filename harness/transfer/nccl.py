@@ -61,7 +61,8 @@ class Sender:
     fires first), ``world_size`` (the group's size; default: the server's ranks plus
     the trainer; fault tests give a wrong one), ``hold_before_broadcast_s`` (wait that
     long with /update_weights in flight before broadcasting: fault tests kill the
-    trainer there; the harness-driven paths only).
+    trainer there; the harness-driven paths only), ``weight_version`` (sent with every
+    ``/finish_weight_update``).
     """
 
     def __init__(self, client, *, packed: bool, options: dict):
@@ -72,7 +73,7 @@ class Sender:
             raise NcclSendError("this vLLM has no NCCL trainer API (neither "
                                 "WeightTransferTrainerFactory 'nccl' nor trainer_send_weights);"
                                 " the harness's raw fallback sends unpacked only")
-        self.client = vllm_api.RecordingClient(client)
+        self.client = vllm_api.RecordingClient(client, options.get("weight_version"))
         self.packed = packed
         self.master_address = options.get("master_address") or "127.0.0.1"
         self.master_port = int(options.get("nccl_port") or free_port(self.master_address))

@@ -416,11 +416,16 @@ class RecordingClient:
       blocked in an NCCL collective, nobody would read that exception. The senders
       watch ``failed`` to stop waiting and report the real cause.
 
+    ``weight_version``, when given, rides every ``/finish_weight_update`` that names
+    none itself: vLLM's trainer engines call ``finish_weight_update()`` bare, and this is
+    how a sync through them publishes a version.
+
     Anything else (``url``, ``_call``, ``raw``, ...) is the wrapped client's.
     """
 
-    def __init__(self, client: Any):
+    def __init__(self, client: Any, weight_version: str | None = None):
         self._client = client
+        self.weight_version = weight_version
         self._lock = threading.Lock()
         self.calls: list[str] = []
         self.update_calls = 0
@@ -464,6 +469,7 @@ class RecordingClient:
         self._do("/update_weights", self._client.update_weights, payload)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        weight_version = weight_version if weight_version is not None else self.weight_version
         if weight_version is None:
             self._do("/finish_weight_update", self._client.finish_weight_update)
         else:

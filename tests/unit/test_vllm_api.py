@@ -432,3 +432,18 @@ def test_nccl_group_spans_every_server_rank_with_the_trainer_at_rank_0(server_ra
                 "world_size": server_ranks + 1}
     assert opened == [expected]
     assert server.posted == [("init", ({**expected, "rank_offset": 1},))]
+
+
+def test_a_weight_version_rides_the_bare_finish_of_vllms_trainer_engines():
+    """vLLM's trainer engines call finish_weight_update() without a version; the IPC and
+    NCCL senders publish the sync's weight_version through the recording client."""
+    calls = []
+
+    class Client:
+        def finish_weight_update(self, *args):
+            calls.append(args)
+
+    vllm_api.RecordingClient(Client(), "v7").finish_weight_update()
+    vllm_api.RecordingClient(Client(), "v7").finish_weight_update("named")
+    vllm_api.RecordingClient(Client()).finish_weight_update()
+    assert calls == [("v7",), ("named",), ()]
