@@ -56,3 +56,25 @@ def test_the_completions_before_and_after_are_read_apart():
 def test_a_missing_script_is_one_line(tmp_path, capsys):
     assert sc.main([str(tmp_path / "nope.py"), "--out", str(tmp_path / "o")]) == 2
     assert "no script at" in capsys.readouterr().err
+
+
+def test_trailing_replacement_characters_are_what_vllm_holds_back_and_nothing_else():
+    # vLLM holds back an incomplete UTF-8 sequence; a whole decode writes U+FFFD for it
+    assert sc.same_text(" d/E\ufffd\ufffd\x14ive", " d/E\ufffd\ufffd\x14ive" + "\ufffd" * 25)
+    assert sc.same_text("", "\ufffd" * 32)
+    assert not sc.same_text(" d/E\x14ive", " d/E\ufffd\ufffd\x14ive")  # inside the text: a difference
+    assert not sc.same_text("ick se se", "ick se so")
+    checks = sc.judge(before=[("p", "zz")], after=[("p", "ab")], ref=["ab\ufffd"])
+    assert checks["hf greedy after"]["ok"] and checks["gibberish before"]["ok"]
+    checks = sc.judge(before=[("p", "ab")], after=[("p", "ac")], ref=["ab"])
+    assert not checks["hf greedy after"]["ok"] and not checks["gibberish before"]["ok"]
+
+
+def test_a_saved_verdict_is_judged_again_without_running_anything(tmp_path, capsys):
+    import json
+    (tmp_path / "verdict.json").write_text(json.dumps({
+        "checks": {"script ran": {"ok": True}},
+        "completions": [{"prompt": "p", "before": "", "after": "x", "hf": "x\ufffd"},
+                        {"prompt": "q", "before": "zz", "after": "y", "hf": "y"}]}))
+    assert sc.main(["unused.py", "--out", str(tmp_path), "--reread"]) == 0
+    assert "PASSED" in capsys.readouterr().out
