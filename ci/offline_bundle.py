@@ -316,7 +316,8 @@ def cmd_make(args) -> int:
         old.unlink()
     manifest = {"vllm": args.vllm, "python": args.python, "platform": args.platform,
                 "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "piece_bytes": piece_bytes,
-                "layers": [], "left_out": sorted(n for n in pins if why.get(n, "").startswith(("left", "needed only")))}
+                "layers": [], "left_out": sorted(n for n in pins if why.get(n, "").startswith(("left", "needed only"))),
+                "hide_runner": sorted(names_of(profile.get("hide_runner")))}
     for i, (layer, names) in enumerate((k, v) for k, v in assigned.items() if v):
         key = hashlib.sha256(json.dumps([sorted(f"{n}=={carry[n]}" for n in names), slim_globs,
                                          args.level]).encode()).hexdigest()[:16]
@@ -440,6 +441,34 @@ def runner_site_packages(site: Path) -> list[Path]:
     return [d for d in dirs if d.is_dir() and d.resolve() != site.resolve()]
 
 
+def unlink_runner_libraries(site: Path) -> None:
+    """Remove the links to the runner's libraries: a layer unpacked over one would write
+    into the runner's own site-packages. They are made again after unpacking."""
+    ours = site / "nvidia"
+    if ours.is_dir():
+        for p in ours.iterdir():
+            if p.is_symlink():
+                p.unlink()
+
+
+def write_hiding(site: Path, names: list[str]) -> None:
+    """The runner's packages built against its own torch (torchaudio, say) cannot load
+    with the carried one, and libraries import them whenever they are found. A
+    sitecustomize on the bundle's path makes them absent (`sys.modules[name] = None`:
+    importlib.util.find_spec answers None, import raises ImportError) in every process
+    that has the site on PYTHONPATH. It takes the place of the runner's sitecustomize."""
+    target = site / "sitecustomize.py"
+    if not names:
+        if target.exists() and target.read_text().startswith(HIDING_HEADER):
+            target.unlink()
+        return
+    target.write_text(f"{HIDING_HEADER}\nimport sys\n\nfor _name in {tuple(names)!r}:\n"
+                      "    sys.modules.setdefault(_name, None)\n")
+
+
+HIDING_HEADER = "# written by offline_bundle.py install: the runner's packages hidden from the bundle"
+
+
 def link_runner_libraries(site: Path) -> list[str]:
     """NVIDIA library folders the bundle does not carry come from the runner: torch finds
     its libraries through RPATHs relative to itself (site/nvidia/<lib>/lib), so each of the
@@ -488,6 +517,7 @@ def cmd_install(args) -> int:
         if bad:
             fail(f"layer {name}: sha256 mismatch in {' '.join(bad)} (a transfer was cut: carry them again)")
         t0 = time.monotonic()
+        unlink_runner_libraries(site)
         unpack_layer(paths, site, keep)
         (done_dir / name).write_text("\n".join(layer["packages"]) + "\n")
         if not args.keep_pieces and keep != bundle:
@@ -496,6 +526,7 @@ def cmd_install(args) -> int:
         status.append((name, f"installed now ({layer['unpacked_bytes'] / MIB:.0f} MiB in {time.monotonic() - t0:.0f} s)"))
     for line in link_runner_libraries(site):
         say("linked", line)
+    write_hiding(site, manifest.get("hide_runner", []))
     shim = site / ".bin"
     shim.mkdir(exist_ok=True)
     (shim / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m vllm.entrypoints.cli.main "$@"\n')
@@ -532,7 +563,7 @@ PROBES = {
     "cudnn": "import torch; x = torch.randn(2, 3, 32, 32, device='cuda'); "
              "c = torch.nn.Conv2d(3, 8, 3).cuda(); y = c(x); torch.cuda.synchronize(); "
              "print('cudnn', torch.backends.cudnn.version(), tuple(y.shape))",
-    "triton": "import torch, triton, triton.language as tl\n"
+    "triton": "import torch, triton, triton.language as tl\n"  # run from a file: @jit reads its source
               "@triton.jit\ndef k(x, y, n, B: tl.constexpr):\n"
               "    i = tl.program_id(0) * B + tl.arange(0, B); m = i < n\n"
               "    tl.store(y + i, tl.load(x + i, mask=m) * 2, mask=m)\n"
@@ -553,12 +584,16 @@ def cmd_probe(args) -> int:
     failed = 0
     for name in args.checks or PROBES:
         t0 = time.monotonic()
+        with tempfile.NamedTemporaryFile("w", suffix=f"_probe_{name}.py", delete=False) as f:
+            f.write(PROBES[name] + "\n")
         try:
-            r = subprocess.run([sys.executable, "-c", PROBES[name]], env=env, text=True,
+            r = subprocess.run([sys.executable, f.name], env=env, text=True,
                                capture_output=True, timeout=args.timeout)
             ok, out = r.returncode == 0, (r.stdout if r.returncode == 0 else r.stderr).strip()
         except subprocess.TimeoutExpired:
             ok, out = False, f"timed out after {args.timeout} s"
+        finally:
+            os.unlink(f.name)
         failed += not ok
         line = out.splitlines()[-1] if out else ""
         print(json.dumps({"check": name, "ok": ok, "seconds": round(time.monotonic() - t0, 1), "result": line}),

@@ -259,3 +259,44 @@ def test_the_release_profile_names_a_reason_for_every_entry():
             for entry in data.get(key, []):
                 assert entry.get("why"), f"{profile.name}: {key} entry {entry} has no reason"
         assert [l["name"] for l in data["layers"]][0] == "torch"  # torch is probed before the rest
+
+
+def test_the_runners_own_builds_are_hidden_from_the_bundles_processes(tmp_path):
+    """A package of the runner built for its own torch (torchaudio) is made absent:
+    find_spec answers None, so libraries that import it when found leave it alone."""
+    site = tmp_path / "site"
+    site.mkdir()
+    ob.write_hiding(site, ["json"])  # a module every Python has, standing in for torchaudio
+    probe = ("import importlib.util, sys\nprint(importlib.util.find_spec('json') is None)\n"
+             "try:\n    import json\n    print('imported')\nexcept ImportError:\n    print('hidden')\n")
+    r = subprocess.run([sys.executable, "-c", probe], text=True, capture_output=True,
+                       env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert r.stdout.split() == ["True", "hidden"], r.stderr
+    ob.write_hiding(site, [])  # a bundle that hides nothing removes its own file, no other
+    assert not (site / "sitecustomize.py").exists()
+    (site / "sitecustomize.py").write_text("# the runner's own\n")
+    ob.write_hiding(site, [])
+    assert (site / "sitecustomize.py").exists()
+
+
+@needs_zstd
+def test_a_layer_unpacked_after_the_runners_libraries_were_linked_never_writes_into_them(tmp_path, monkeypatch):
+    """install links the runner's nvidia/<lib> folders that the bundle lacks; a later
+    layer that carries one of them must replace the link, not write through it."""
+    runner = tmp_path / "runner-site-packages"
+    (runner / "nvidia" / "beta").mkdir(parents=True)
+    (runner / "nvidia" / "beta" / "runner.txt").write_text("the runner's\n")
+    site = tmp_path / "site"
+    (site / "nvidia").mkdir(parents=True)
+    monkeypatch.setattr(ob, "runner_site_packages", lambda s: [runner])
+    assert ob.link_runner_libraries(site) == [f"nvidia/beta -> {runner / 'nvidia' / 'beta'}"]
+    assert (site / "nvidia" / "beta").is_symlink()
+    ob.unlink_runner_libraries(site)
+    root = tmp_path / "layer"
+    (root / "nvidia" / "beta").mkdir(parents=True)
+    (root / "nvidia" / "beta" / "carried.txt").write_text("carried\n")
+    ob.compress(root, tmp_path / "l.tar.zst", level=3)
+    ob.unpack_layer([tmp_path / "l.tar.zst"], site, tmp_path)
+    assert not (runner / "nvidia" / "beta" / "carried.txt").exists()
+    assert (site / "nvidia" / "beta" / "carried.txt").exists()
+    assert ob.link_runner_libraries(site) == []  # the carried folder is kept
