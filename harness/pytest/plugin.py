@@ -432,11 +432,16 @@ def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
                 tr.flush()  # a CI log (a pipe, a file) shows it now, not at the next test
                 return
             tr.flush()
-            lead = "\n" if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0) else ""
+            tw = getattr(tr, "_tw", None)
+            # a new line unless the reporter's line is empty, or is where our last one ended
+            mark = (id(tw), getattr(tw, "width_of_current_line", 0))
+            lead = "\n" if mark[1] and mark != last[0] else ""
             try:
                 os.write(fd, f"{lead}weight-sync-harness: {line}\n".encode())
             except OSError:
                 pass
+            last[0] = mark
+    last: list = [None]
     return write
 
 
