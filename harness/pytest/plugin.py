@@ -208,8 +208,8 @@ def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> 
     raise pytest.UsageError(
         f"{who or 'the selection'} selects only GPU cases (on "
         + ", ".join(f"{n}, {k} GPU{'s' if k > 1 else ''}" for k, n in need)
-        + f") and this host has {gpus} GPU(s): nothing was run; the CPU cases are "
-        "-k shm, and --harness-allow-no-gpu runs the rest of the selection")
+        + f") and this host has {gpus} GPU(s): nothing was run; the cases that run here "
+        "are shm's, and --harness-allow-no-gpu runs the rest of the selection")
 
 
 def _refuse_unservable_models(config: pytest.Config, s: _settings.Settings) -> None:
