@@ -15,6 +15,7 @@ import atexit
 import collections
 import dataclasses
 import os
+import sys
 import threading
 import time
 import unittest
@@ -207,8 +208,8 @@ def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> 
     raise pytest.UsageError(
         f"{who or 'the selection'} selects only GPU cases (on "
         + ", ".join(f"{n}, {k} GPU{'s' if k > 1 else ''}" for k, n in need)
-        + f") and this host has {gpus} GPU(s): nothing was run; the CPU cases are "
-        "-k shm, and --harness-allow-no-gpu runs the rest of the selection")
+        + f") and this host has {gpus} GPU(s): nothing was run; the cases that run here "
+        "are shm's, and --harness-allow-no-gpu runs the rest of the selection")
 
 
 def _refuse_unservable_models(config: pytest.Config, s: _settings.Settings) -> None:
@@ -396,20 +397,51 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 for line in parallel.describe(state.partition, every, host,
                                               sum(1 for x in every if x is None)):
                     tr.write_line(line)
+            tr.write_line(_plan_counts(len(session.items), state.case_count, len(needs),
+                                       len(state.plan.servers)))
 
 
 _TERMINAL = threading.Lock()
+_TERMINAL_FD = pytest.StashKey[int]()
+
+
+def _keep_terminal(config: pytest.Config) -> None:
+    """Keep a descriptor of the terminal, taken while pytest's capture is off (between
+    tests): during a test, pytest captures file descriptor 1, and a line written there
+    would land in that test's captured output, shown only if it fails."""
+    if _TERMINAL_FD in config.stash:
+        return
+    try:
+        config.stash[_TERMINAL_FD] = os.dup(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no real stdout: the reporter's writes
+        pass
 
 
 def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
     """A line on the terminal from any thread (server starts run in threads), whatever
-    the verbosity: a run that starts servers is silent for minutes otherwise."""
+    the verbosity and whatever test is running: a run that starts servers is silent for
+    minutes otherwise."""
     def write(line: str) -> None:
         tr = config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
-            with _TERMINAL:
+        if tr is None:
+            return
+        fd = config.stash.get(_TERMINAL_FD, None)
+        with _TERMINAL:
+            if fd is None:
                 tr.write_line(f"weight-sync-harness: {line}")
                 tr.flush()  # a CI log (a pipe, a file) shows it now, not at the next test
+                return
+            tr.flush()
+            tw = getattr(tr, "_tw", None)
+            # a new line unless the reporter's line is empty, or is where our last one ended
+            mark = (id(tw), getattr(tw, "width_of_current_line", 0))
+            lead = "\n" if mark[1] and mark != last[0] else ""
+            try:
+                os.write(fd, f"{lead}weight-sync-harness: {line}\n".encode())
+            except OSError:
+                pass
+            last[0] = mark
+    last: list = [None]
     return write
 
 
@@ -423,6 +455,7 @@ class _WorkerLines:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         folder = os.environ.get(parallel.DIR_ENV)
         if folder:
+            _keep_terminal(session.config)
             self.tail = parallel.LineTail(folder, _terminal_line(session.config)).start()
 
     @pytest.hookimpl(tryfirst=True)
@@ -430,6 +463,16 @@ class _WorkerLines:
         if self.tail is not None:
             self.tail.stop()
             self.tail = None
+
+
+def _plan_counts(selected: int, cases: int, on_servers: int, servers: int) -> str:
+    """How the plan's counts relate: pytest's tests selected, the tests on the planned
+    servers, and the cases the summary says run here."""
+    return (f"counts: of the {selected} tests selected, {on_servers} run on the {servers} "
+            f"servers planned; {cases - on_servers} more take a case but no server, or skip "
+            f"here saying why; {selected - cases} take no case (no server, no GPU); the "
+            f"summary's \"{cases} run here\" counts the cases ({on_servers} + "
+            f"{cases - on_servers})")
 
 
 class _InterruptedRun:
@@ -479,6 +522,7 @@ def pytest_runtestloop(session: pytest.Session):
     if state is not None and state.case_count and runs:
         _terminable()
     if state is not None and state.plan is not None and state.plan.servers and runs:
+        _keep_terminal(session.config)
         _start_pool(session.config, state)
     elif (state is not None and runs
           and (slots := parallel.start_slots(session.config, state.settings.host())) is not None):
@@ -769,6 +813,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     import signal
+
+    fd = config.stash.get(_TERMINAL_FD, None)
+    if fd is not None:
+        os.close(fd)
+        del config.stash[_TERMINAL_FD]
 
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is _on_sigterm):

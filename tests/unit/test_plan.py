@@ -408,3 +408,25 @@ def test_the_smoke_selection_is_the_seed_flow_on_one_server(child_pytest):
         assert any(t.endswith(name) for t in tests), (name, tests)
     default = child_pytest.plan(CPU_HOST, env=NO_GPU)  # the same server as the default run's
     assert configs[0] in [s["config"] for s in default["servers"]]
+
+
+def test_the_plan_says_how_its_counts_relate(child_pytest):
+    """The plan printed three counts (299 tests on 28 servers, 315 run here, 368
+    collected) without saying how they relate; one line now adds them up."""
+    from child_pytest import CPU_HOST, NO_GPU
+
+    r = child_pytest("--harness-plan", "--harness-plan-host", CPU_HOST, "-m", "smoke or faults",
+                     env=NO_GPU)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("counts: ")), None)
+    assert line is not None, r.stdout[-3000:]
+    m = re.match(r"counts: of the (\d+) tests selected, (\d+) run on the (\d+) servers planned; "
+                 r"(\d+) more take a case but no server, or skip here saying why; (\d+) take no "
+                 r"case \(no server, no GPU\); the summary's \"(\d+) run here\" counts the cases "
+                 r"\((\d+) \+ (\d+)\)$", line)
+    assert m, line
+    selected, on_servers, servers, more, no_case, cases, a, b = map(int, m.groups())
+    plan = r.report["plan"]
+    assert selected == len(r.items) and on_servers == plan["tests"] == a
+    assert servers == len(plan["servers"]) and more == b and cases == a + b
+    assert selected == on_servers + more + no_case
+    assert f"{cases} run here" in r.stdout

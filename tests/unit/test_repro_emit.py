@@ -131,8 +131,7 @@ def test_a_scenario_that_needs_gpus_is_one_line(capsys, monkeypatch):
     assert _repro("--vllm-backend", "nccl") == 2
     out, err = capsys.readouterr()
     assert out == "" and not started
-    assert err == ("harness repro: nccl-packed 2gpu-split float32 llama: layout 2gpu-split "
-                   "needs 2 GPU(s), 0 available\n")
+    assert err == "harness repro: layout 2gpu-split needs 2 GPU(s), 0 available\n"
 
 
 def test_emit_without_a_path_writes_under_the_ignored_cache(tmp_path, monkeypatch, capsys):

@@ -12,10 +12,18 @@ from types import SimpleNamespace
 import pytest
 
 from harness.run import parallel
+
+
+# The fakes, installed by the child session's conftest: a real pytest process, whose
+# capture of file descriptor 1 during a test is real too.
+FAKES = """
+from types import SimpleNamespace
+
 from harness.run import pool as pool_mod
 
 
-class _Server:
+
+class Server:
     def __init__(self, cfg, **kw):
         self.cfg, self.url, self.start_seconds, self.version = cfg, "", 0.0, "fake"
         self.log_path, self.attached = None, False
@@ -30,7 +38,7 @@ class _Server:
         return ""
 
 
-class _Trainer:
+class Trainer:
     def __init__(self, spec, **kw):
         self.spares = False
 
@@ -44,27 +52,29 @@ class _Trainer:
         pass
 
 
-@pytest.fixture
-def fake_servers(monkeypatch):
-    monkeypatch.setattr(pool_mod, "VLLMServer", _Server)
-    monkeypatch.setattr(pool_mod, "Trainer", _Trainer)
-    monkeypatch.setattr(pool_mod.Spares, "spawn", staticmethod(lambda *a: SimpleNamespace(
-        discard=lambda: None)))
-    monkeypatch.setattr(pool_mod.models, "ensure_built", lambda model: None)
-    monkeypatch.setattr(pool_mod.reaper, "reap", lambda: [])
+pool_mod.VLLMServer, pool_mod.Trainer = Server, Trainer
+pool_mod.Spares.spawn = staticmethod(lambda *a: SimpleNamespace(discard=lambda: None))
+pool_mod.models.ensure_built = lambda model: None
+pool_mod.reaper.reap = lambda: []
+"""
 
-
-def test_each_server_start_is_a_line_even_under_q(pytester, monkeypatch, fake_servers):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    pytester.makepyfile(test_one="""
+# The server is asked for inside a test, while pytest captures what the test writes.
+ONE_TEST = """
 from harness import models
 from harness.run.cases import server_config_for
 
 def test_a(case, server_pool):
     server_pool.get(server_config_for(case, models.planned_path(case.model)))
-""")
-    r = pytester.runpytest("-q", "-p", "no:cacheprovider", "--vllm-backend", "shm",
-                           "--vllm-layout", "cpu", "--vllm-log-dir", str(pytester.path / "logs"))
+"""
+
+
+def test_each_server_start_is_a_line_even_under_q(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makeconftest(FAKES)
+    pytester.makepyfile(test_one=ONE_TEST)
+    r = pytester.runpytest_subprocess(
+        "-q", "-p", "no:cacheprovider", "--vllm-backend", "shm", "--vllm-layout", "cpu",
+        "--vllm-log-dir", str(pytester.path / "logs"), timeout=300)
     assert r.ret == 0, r.stdout.str()
     out = r.stdout.lines
     starting = [i for i, ln in enumerate(out)

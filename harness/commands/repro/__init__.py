@@ -445,8 +445,8 @@ def run(args: argparse.Namespace) -> int:
         if said:
             return EXIT_USAGE
     if sc.layout.gpus_needed > gpu_count():  # refused now, not at the sync a minute later
-        print(f"harness repro: {sc.describe()}: layout {sc.layout.name} needs "
-              f"{sc.layout.gpus_needed} GPU(s), {gpu_count()} available", file=sys.stderr)
+        print(f"harness repro: layout {sc.layout.name} needs {sc.layout.gpus_needed} GPU(s), "
+              f"{gpu_count()} available", file=sys.stderr)
         return EXIT_USAGE
     print(f"harness repro: {sc.describe()}")
     t0 = time.monotonic()
