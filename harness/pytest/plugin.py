@@ -626,7 +626,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(config, "workeroutput"):  # a worker: what the controller reports
         config.workeroutput.setdefault("harness", {}).update(
             parallel.worker_output(state), said=summary.said_lines(config, state), shortfall=state.shortfall,
-            deselected=summary.deselected_nodeids(config, state), cases=len(state.items))
+            deselected_nodeids=summary.deselected_nodeids(config, state), cases=state.case_count)
     else:
         parallel.gather_records(config, state, exitstatus == pytest.ExitCode.INTERRUPTED)
         parallel.remove_controller_dir()

@@ -48,12 +48,13 @@ def deselected_nodeids(config: pytest.Config, state) -> list[tuple[str, str]]:
 def uncovered(config: pytest.Config, state) -> list[dict]:
     """``coverage.uncovered`` of this run (a side-by-side run's workers' deselections
     too); [] where no test that takes a case was collected, or nothing ran."""
-    cases = state.items or any(o.get("cases") for o in state.worker_outputs.values())
+    cases = (state.items or state.case_count
+             or any(o.get("cases") for o in state.worker_outputs.values()))
     if not (cases and state.verdicts):  # no harness test, or none ran (a plan, a collection)
         return []
     deselected = deselected_nodeids(config, state)
     for o in state.worker_outputs.values():
-        deselected += [tuple(d) for d in o.get("deselected") or []]
+        deselected += [tuple(d) for d in o.get("deselected_nodeids") or []]
     return coverage.uncovered(state.verdicts, dict.fromkeys(deselected))
 
 
