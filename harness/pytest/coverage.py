@@ -92,8 +92,16 @@ def uncovered(verdicts: Verdicts, deselected: Iterable[tuple[str, str]] = (),
             whys = {"no test of it was selected": 0}
         out.append({"capability": cap.name,
                     "why": [f"{w} ({n} test{'s' * (n != 1)})" if n else w
-                            for w, n in sorted(whys.items(), key=lambda kv: -kv[1])]})
+                            for w, n in sorted(whys.items(), key=_order)]})
     return out
+
+
+def _order(item: tuple[str, int]) -> tuple[int, int]:
+    """Known issues and skips first (they say what is wrong), then the deselections
+    (what this run or host left out), the most tests first within each."""
+    why, n = item
+    kind = 0 if why.startswith(("known issue", "skipped")) else 1
+    return kind, -n
 
 
 def _first(reason: str, limit: int = 160) -> str:
