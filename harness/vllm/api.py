@@ -13,7 +13,6 @@ too, and must never load CUDA libraries. ``probe(isolated=True)`` and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -28,8 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.facts import installed_vllm
-from harness.portable.reload import mtp_guard, reload_lifecycle  # noqa: F401 (the shm engine's, portable)
+from harness.portable import reload as _reload  # the shm engine's, portable
 from harness.portable.send_ipc import json_safe_update_info  # the scripts' own
+
+# the worker side's reload calls by release (harness/portable/reload.py; tests call them here)
+reload_lifecycle = _reload.reload_lifecycle
+mtp_guard = _reload.mtp_guard
 
 _WT = "vllm.distributed.weight_transfer"
 PROBE_TIMEOUT_S = 120.0  # importing vLLM in a child takes 5-20 s; longer means it hangs
