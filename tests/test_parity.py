@@ -192,7 +192,7 @@ def test_repeated_syncs_last_one_wins(session):
 AB_SEED = 111
 
 
-def a_then_b_then_a(s, a, b) -> list[dict]:
+def a_then_b_then_a(s, a, b, **sync_kw) -> list[dict]:
     """Sync ``a``, then ``b``, then ``a`` again, through the server's one trainer. After
     each step the server must compute what that step's weights compute (every parity
     check) and not what the other weights compute; where the server offers
@@ -201,7 +201,8 @@ def a_then_b_then_a(s, a, b) -> list[dict]:
     ignored, partly applied, or applied to stale buffers (post-load processing that is
     not idempotent: fp8 scales, MoE layouts, Mamba buffers). Returns the steps as
     recorded (``steps``: each step's max |dlogprob| against its own reference and
-    against the other's, greedy identical, digests changed)."""
+    against the other's, greedy identical, digests changed). ``sync_kw`` goes to every
+    sync (the shm engine's ``options``, say)."""
     refs = {"A": s.reference(a), "B": s.reference(b)}
     checker = checksums.ROUTE in s.client.routes()
     steps: list[dict] = []
@@ -210,7 +211,7 @@ def a_then_b_then_a(s, a, b) -> list[dict]:
     for i, (name, weights) in enumerate((("A", a), ("B", b), ("A", a)), start=1):
         other = "B" if name == "A" else "A"
         what = f"step {i} of A -> B -> A ({name})"
-        s.sync(weights)
+        s.sync(weights, **sync_kw)
         report = s.compare(refs[name])
         steps.append({"step": i, "weights": name, "max_abs_dlogprob": report.max_abs,
                       "greedy_identical": sum(report.greedy_identical)})

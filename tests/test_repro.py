@@ -42,7 +42,7 @@ def test_the_shm_plugin_registers_the_engine_in_a_vllm_process(tmp_path):
            for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
     assert [(ep.name, ep.value) for ep in eps] == [
         ("repro_shm", "repro_shm_plugin:register_shm_engine")]
-    assert (d / "repro_shm_engine.py").read_text() == repro_emit.SHM_ENGINE.read_text()
+    assert (d / "repro_shm_engine.py").read_text() == repro_emit.SHM_ENGINE.read_text()  # as given
     assert (d / "repro_shm_plugin.py").read_text() == Path(script.__file__).read_text()
     # what vLLM does in each process it starts: load the entry point, call it, and later
     # let the factory import the engine class
@@ -93,16 +93,85 @@ def test_an_emitted_script_holds_the_installed_vllms_trainer_api(tmp_path):
         assert repro_emit.read_scenario(text)["trainer_api"] == probe[f"{engine}_path"]
 
 
+def python_without_the_harness(root: Path, env: dict) -> Path:
+    """A Python with this environment's packages (vLLM, torch, ...) but not the harness,
+    as a bug reporter's: a venv without pip whose site-packages links every entry of ours
+    except the harness's own (its package, its dist-info with the vLLM plugin entry
+    point, and the .pth or finder of its editable install). Asserted: ``import harness``
+    fails there, ``import safetensors`` works."""
+    import sysconfig
+
+    venv = root / "venv-without-the-harness"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120, stdin=subprocess.DEVNULL)
+    py = venv / "bin" / "python"
+    theirs = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig."
+                                  "get_paths()['purelib'])"], capture_output=True, text=True,
+                                 check=True, timeout=60).stdout.strip())
+    ours = list(dict.fromkeys(
+        [Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")]
+        + [Path(p) for p in sys.path if p.endswith(("site-packages", "dist-packages"))]))
+
+    def the_harness(entry: Path) -> bool:
+        name = entry.name.lower().replace("-", "_")
+        if name == "harness" or "weight_sync_harness" in name:
+            return True
+        if entry.suffix == ".pth":
+            text = entry.read_text(errors="replace")
+            return str(ROOT) in text or "weight_sync_harness" in text
+        return False
+
+    for site in ours:
+        for entry in (site.iterdir() if site.is_dir() else ()):
+            if not the_harness(entry) and not (theirs / entry.name).exists():
+                (theirs / entry.name).symlink_to(entry)
+    check = subprocess.run([str(py), "-c", "import safetensors\nimport harness"],
+                           capture_output=True, text=True, timeout=120, cwd=root, env=env,
+                           stdin=subprocess.DEVNULL)
+    assert check.returncode != 0 and "No module named 'harness'" in check.stderr, (
+        "the harness is importable where the emitted script must run without it: "
+        + check.stdout[-500:] + check.stderr[-1500:])
+    return py
+
+
 def test_an_emitted_shm_script_reproduces_parity_against_a_real_server(tmp_path):
     """The script, run as a bug reporter would (its own process, its own vLLM server on
-    the CPU, no harness code imported), gets parity and exits 0."""
+    the CPU, a Python in which the harness cannot be imported), gets parity and exits 0.
+    Its second file, the shm engine, carries the reload calls it takes from the harness."""
     path = _emit(tmp_path, "repro_case.py")
-    out = subprocess.run([sys.executable, str(path), "--workdir", str(tmp_path / "work")],
+    engine = (path.parent / repro_emit.engine_file_name(path)).read_text()
+    assert "import harness" not in engine and "from harness" not in engine
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    py = python_without_the_harness(tmp_path, env)
+    out = subprocess.run([str(py), str(path), "--workdir", str(tmp_path / "work")],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                         stdin=subprocess.DEVNULL,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                         stdin=subprocess.DEVNULL, env=env)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "[9/9] verdict: PARITY" in out.stdout
+    assert "REPRODUCED: the verdict is 'parity', as expected." in out.stdout
+
+
+@pytest.mark.gpu
+def test_an_emitted_ipc_script_reproduces_parity_on_a_gpu_without_the_harness(tmp_path):
+    """The CUDA IPC script (one file), run as a bug reporter would: its own process, its
+    own vLLM server on GPU 0, a Python in which the harness cannot be imported; it gets
+    parity and exits 0. (vLLM 0.26's IPC engine imports ray: stubbed where it is not
+    installed.)"""
+    import importlib.util
+
+    if not os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() or not _has_cuda():
+        pytest.skip("CUDA IPC needs a GPU")
+    path = _emit(tmp_path, "repro_ipc.py", "--vllm-backend", "ipc")
+    text = path.read_text()
+    assert "import harness" not in text and "from harness" not in text
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    py = python_without_the_harness(tmp_path, env)
+    argv = [str(py), str(path), "--workdir", str(tmp_path / "work")]
+    if importlib.util.find_spec("ray") is None:
+        argv.append("--stub-ray")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         stdin=subprocess.DEVNULL, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "REPRODUCED: the verdict is 'parity', as expected." in out.stdout
 
 

@@ -28,7 +28,7 @@ import pytest
 from harness.core import facts, measure
 from harness.models import ModelUnavailable
 from harness.pytest import selection as _selection
-from harness.pytest import parametrize, summary
+from harness.pytest import coverage, parametrize, summary
 from harness.pytest import settings as _settings
 from harness.pytest.parametrize import case_of, need
 from harness.run import parallel
@@ -87,6 +87,7 @@ class RunState:
     schedule: _plan.Schedule | None = None
     last_use: dict[str, list[ServerConfig]] = dataclasses.field(default_factory=dict)
     gpu_cases: dict[str, str] = dataclasses.field(default_factory=dict)  # nodeid -> outcome
+    verdicts: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # coverage
     stop_error: str | None = None
     # side by side (harness.run.parallel): this worker's tests, and on the controller what
     # each worker sent back when it ended
@@ -147,6 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _refuse_unservable_models(config, s)
     state = config.stash[STATE] = RunState(s)
     parallel.share_threads(config)
+    config.pluginmanager.register(_Verdicts(state), "harness-verdicts")
     if parallel.ours(config) and not hasattr(config, "workerinput"):
         parallel.controller_dir()  # the workers, started after this, inherit its path
         config.pluginmanager.register(_GpuCaseCounter(state), "harness-gpu-cases")
@@ -750,6 +752,30 @@ class _GpuCaseCounter:
             self.state.gpu_cases[report.nodeid] = report.outcome
 
 
+class _Verdicts:
+    """Each test's verdict for the capabilities it covers (``harness.pytest.coverage``),
+    from the reports: in process, and on the controller of a side-by-side run."""
+
+    def __init__(self, state: RunState):
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        known = next((v for k, v in report.user_properties if k == "known_issue"), None)
+        if report.when == "call" or report.failed or report.skipped:
+            if hasattr(report, "wasxfail") and report.skipped:
+                outcome = "xfailed"
+            elif report.skipped:
+                outcome = "skipped"
+            else:
+                outcome = report.outcome
+            reason = getattr(report, "wasxfail", None)
+            if reason is None and report.skipped and isinstance(report.longrepr, tuple):
+                reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+            if report.when == "teardown" and report.nodeid in self.state.verdicts:
+                return  # a teardown's error does not undo what the test showed
+            self.state.verdicts[report.nodeid] = coverage.verdict_of(outcome, known, reason)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
@@ -786,7 +812,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             state.case_count, state.settings.gpus(), _selection.asked(config))
     if hasattr(config, "workeroutput"):  # a worker: what the controller reports
         config.workeroutput.setdefault("harness", {}).update(
-            parallel.worker_output(state), said=summary.said_lines(config, state), shortfall=state.shortfall)
+            parallel.worker_output(state), said=summary.said_lines(config, state), shortfall=state.shortfall,
+            deselected_nodeids=summary.deselected_nodeids(config, state), cases=state.case_count)
     else:
         parallel.gather_records(config, state, exitstatus == pytest.ExitCode.INTERRUPTED)
         parallel.remove_controller_dir()

@@ -27,6 +27,9 @@ of the session it writes one JSON document:
                   after, observe, twin_wait, lock_wait: a sleep's or a wake's wait
                   for the GPU-memory lock) and ``other``, the rest of its duration
 ``known_issues``  every entry of the known-issues file and whether it applied here
+``uncovered_capabilities``  each capability (MoE, LoRA, a second sync beyond llama, ...)
+                  that no test of the run exercised (none passed or failed), and why:
+                  known issue X, skipped: ..., deselected: ... (harness.pytest.coverage)
 ``servers``       the vLLM servers started: config, start seconds, version, log, when
                   (seconds after the pool was made), how many started together, the
                   reason of a restart, the trainers prepared on it
@@ -598,10 +601,19 @@ class ReportPlugin:
             "summary": summarize(tests),
             "tests": tests,
             "known_issues": self.known_issues(),
+            "uncovered_capabilities": self.uncovered(),
             "servers": self.servers(),
             "plan": self.plan(),
             "timing": self.timing(),
         })
+
+    def uncovered(self) -> list[dict] | None:
+        """The capabilities no test exercised, and why (``harness.pytest.coverage``)."""
+        from harness.pytest import summary
+
+        if not hasattr(self.state, "verdicts"):
+            return None
+        return summary.uncovered(self.config, self.state)
 
     def plan(self) -> dict | None:
         plan = getattr(self.state, "plan", None)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from harness.core import environment, measure
+from harness.pytest import coverage
 from harness.pytest import selection as _selection
 from harness.pytest import settings as _settings
 from harness.run import parallel
@@ -63,6 +64,25 @@ def said_lines(config: pytest.Config, state) -> list[str]:
     return said
 
 
+def deselected_nodeids(config: pytest.Config, state) -> list[tuple[str, str]]:
+    """(reason, node id) of each test the harness left out that the selection names."""
+    keep = _selection.matcher(config)
+    return [(reason, item.nodeid) for reason, item in state.dropped if keep(item)]
+
+
+def uncovered(config: pytest.Config, state) -> list[dict]:
+    """``coverage.uncovered`` of this run (a side-by-side run's workers' deselections
+    too); [] where no test that takes a case was collected, or nothing ran."""
+    cases = (state.items or state.case_count
+             or any(o.get("cases") for o in state.worker_outputs.values()))
+    if not (cases and state.verdicts):  # no harness test, or none ran (a plan, a collection)
+        return []
+    deselected = deselected_nodeids(config, state)
+    for o in state.worker_outputs.values():
+        deselected += [tuple(d) for d in o.get("deselected_nodeids") or []]
+    return coverage.uncovered(state.verdicts, dict.fromkeys(deselected))
+
+
 def terminal_summary(terminalreporter, config: pytest.Config, state) -> None:
     """The plugin's section of pytest's summary: what the selection asked for, the
     shards' cut, the servers started, restarted and reaped (``state``: the plugin's
@@ -75,7 +95,8 @@ def terminal_summary(terminalreporter, config: pytest.Config, state) -> None:
         said = first.get("said") or []
         shortfall = next((o["shortfall"] for o in state.worker_outputs.values()
                           if o.get("shortfall")), None)
-    if not (said or state.pool is not None or state.stop_error or shortfall
+    rows = uncovered(config, state)
+    if not (said or state.pool is not None or state.stop_error or shortfall or rows
             or any(r.startswith("in other shards") for r in state.deselected)
             or any(o.get("started") for o in state.worker_outputs.values())):
         return
@@ -125,3 +146,9 @@ def terminal_summary(terminalreporter, config: pytest.Config, state) -> None:
                           f"{o if isinstance(o, str) else o.describe()}")
     if state.stop_error:
         tr.write_line(f"stopping the servers failed: {state.stop_error}", red=True)
+    if rows:
+        tr.write_line(f"capabilities no test exercised in this run ({len(rows)} of "
+                      f"{len(coverage.CAPABILITIES)}; a known, skipped or deselected test "
+                      "says nothing about its capability):", yellow=True)
+        for line in coverage.lines(rows):
+            tr.write_line(line)

@@ -7,7 +7,7 @@ reload is initialised in ``start_weight_update`` and finalised in
 From vLLM 0.34 that lifecycle is ``reload.start_reload`` / ``finish_reload(model,
 model_config, device)`` (the ``VLLM_RELOAD_MODE`` it selects, and the process-wide
 ``weight_update_active()`` flag that replaced 0.33's ``disable_mtp_completeness_check``);
-``vllm_api.reload_lifecycle`` takes it where it exists, as 0.34's IPC and NCCL engines do.
+``reload_lifecycle`` (harness/portable/reload.py) takes it where it exists, as 0.34's IPC and NCCL engines do.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from harness.vllm import api as vllm_api
+from harness.portable.reload import mtp_guard, reload_lifecycle  # written into a repro's copy
 
 # A deliberate break, as HARNESS_VLLM_TRAINER_DROP is on the trainer's side: set in the
 # server's environment (a server inherits the pytest process's), every update is read
@@ -107,13 +107,13 @@ class ShmWeightTransferEngine(
     def start_weight_update(self) -> None:
         if os.environ.get(DISCARD_ENV):
             return
-        start, _ = vllm_api.reload_lifecycle()
+        start, _ = reload_lifecycle()
         start(self.model)
 
     def finish_weight_update(self) -> None:
         if os.environ.get(DISCARD_ENV):
             return
-        _, finish = vllm_api.reload_lifecycle()
+        _, finish = reload_lifecycle()
         finish(self.model, self.model_config, self.device)
         if self.reprocess_tied:
             _reprocess_tied_modules(self.model)
@@ -150,7 +150,7 @@ class ShmWeightTransferEngine(
             self.retained.append([t.clone() for _, t in weights])
         if os.environ.get(DISCARD_ENV):
             return
-        with vllm_api.mtp_guard():
+        with mtp_guard():
             self.model.load_weights(weights)
 
     def shutdown(self) -> None:

@@ -13,7 +13,6 @@ too, and must never load CUDA libraries. ``probe(isolated=True)`` and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -28,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.facts import installed_vllm
+from harness.portable import reload as _reload  # the shm engine's, portable
 from harness.portable.send_ipc import json_safe_update_info  # the scripts' own
+
+# the worker side's reload calls by release (harness/portable/reload.py; tests call them here)
+reload_lifecycle = _reload.reload_lifecycle
+mtp_guard = _reload.mtp_guard
 
 _WT = "vllm.distributed.weight_transfer"
 PROBE_TIMEOUT_S = 120.0  # importing vLLM in a child takes 5-20 s; longer means it hangs
@@ -366,34 +370,6 @@ def update_info_elides_metadata(update_info_cls: Any) -> bool:
     return all(n in fields and (fields[n].default is not dataclasses.MISSING
                                 or fields[n].default_factory is not dataclasses.MISSING)
                for n in need)
-
-
-def reload_lifecycle(reload_module: Any = None) -> tuple[Any, Any]:
-    """``(start(model), finish(model, model_config, device))``: what a worker-side engine
-    calls around an update. 0.34's ``start_reload`` / ``finish_reload`` where the reload
-    package has them (they honour ``VLLM_RELOAD_MODE`` and set ``weight_update_active()``),
-    else the layerwise pair of 0.26-0.33 (``finish`` then ignores ``device``). Called in
-    vLLM's worker processes (the shm engine), where importing vLLM is fine."""
-    if reload_module is None:
-        reload_module = importlib.import_module("vllm.model_executor.model_loader.reload")
-    start = getattr(reload_module, "start_reload", None)
-    finish = getattr(reload_module, "finish_reload", None)
-    if start is not None and finish is not None:
-        return start, finish
-    layerwise_finish = reload_module.finalize_layerwise_reload
-    return (reload_module.initialize_layerwise_reload,
-            lambda model, model_config, device: layerwise_finish(model, model_config))
-
-
-def mtp_guard():
-    """0.27-0.33's ``disable_mtp_completeness_check()`` (a partial update must not trip
-    the multi-token-prediction completeness check); a no-op where it is gone (0.34: the
-    check reads ``weight_update_active()``, which ``start_reload`` sets)."""
-    try:
-        mod = importlib.import_module("vllm.model_executor.model_loader.mtp_validation")
-        return mod.disable_mtp_completeness_check()
-    except (ImportError, AttributeError):
-        return contextlib.nullcontext()
 
 
 def update_info_names_sender(update_info_cls: Any) -> bool:

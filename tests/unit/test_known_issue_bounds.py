@@ -185,3 +185,25 @@ def test_a_stand_in_ten_times_worse_than_the_shipped_entry_fails_the_run(pyteste
     assert math.isclose(judged["partial_max_abs_dlogprob"]["worst"], 45.6)
     known = [t for t in data["tests"] if "as-known" in t["nodeid"]][0]
     assert known["outcome"] == "xfailed" and known["known_issue_bounds"][0]["within"] is True
+
+
+def test_diff_calls_a_failure_beyond_its_known_issue_a_regression(tmp_path, monkeypatch, capsys):
+    """``harness diff``: a test known in A that fails beyond its entry's bounds in B is a
+    regression, and the bounds section shows how far B went."""
+    from harness.commands import diff
+
+    nodeid = "tests/test_known_issues.py::test_partial_update_keeps_unsent_weights[shm-cpu-fp32-llama]"
+    base = json.loads((ROOT / "reports" / "cpu-vllm-0.32.0.json").read_text())
+    test_a = next(t for t in base["tests"] if t["nodeid"] == nodeid)
+    test_b = dict(test_a, outcome="failed", message="beyond known issue partial-fused-update-"
+                  "uninitialized-shard: got partial_max_abs_dlogprob 45.6, known up to 12",
+                  metrics=dict(test_a["metrics"], partial_max_abs_dlogprob=45.6))
+    a, b = dict(base, tests=[test_a]), dict(base, tests=[test_b])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    monkeypatch.setenv("COLUMNS", "200")
+    assert diff.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
+    out = capsys.readouterr().out
+    assert "fails in B beyond its known issue" in out, out
+    section = out[out.index("== Known issues' bounds"):out.index("== Capabilities")]
+    assert "partial_max_abs_dlogprob" in section and "3.8x the upper bound" in section, section

@@ -93,7 +93,7 @@ def test_report_document(inner_run, pytester):
     r, rep = inner_run("--vllm-model", "llama", "--vllm-dtype", "fp32")
     assert rep["schema"] == report.SCHEMA_VERSION
     assert set(rep) == {"schema", "header", "capabilities", "summary", "tests", "known_issues",
-                        "servers", "plan", "timing"}
+                        "servers", "plan", "timing", "uncovered_capabilities"}
 
     h = rep["header"]
     assert h["vllm"] == report.vllm_distribution()

@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import re
 import sys
 import threading
 import time
@@ -450,7 +451,14 @@ def test_emitted_script_compiles_and_carries_the_scenario(name, tmp_path):
     engine_file = tmp_path / f"repro_{name}_shm_engine.py"
     if sc["engine"] == "shm":
         assert sc["shm_engine_file"] == engine_file.name
-        assert engine_file.read_text() == repro_emit.SHM_ENGINE.read_text()
+        engine = engine_file.read_text()
+        assert engine == repro_emit.engine_text()
+        # the harness's engine with its one harness import written into it: it runs
+        # where the harness is not installed (tests/test_repro.py runs it so)
+        assert repro_emit.ENGINE_IMPORT in repro_emit.SHM_ENGINE.read_text()
+        assert "def reload_lifecycle(" in engine and "def mtp_guard(" in engine
+        assert not re.search(r"^\s*(from|import)\s+harness\b", engine, re.M), engine
+        compile(engine, str(engine_file), "exec")
     else:
         assert sc["shm_engine_file"] is None and not engine_file.exists()
 

@@ -22,7 +22,7 @@ class _Model:
 
 def _engine(tmp_path, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(shm_engine.vllm_api, "reload_lifecycle", lambda: (
+    monkeypatch.setattr(shm_engine, "reload_lifecycle", lambda: (
         lambda model: calls.append("start"), lambda model, cfg, dev: calls.append("finish")))
     eng = object.__new__(shm_engine.ShmWeightTransferEngine)
     eng.model, eng.model_config, eng.device = _Model(), None, torch.device("cpu")

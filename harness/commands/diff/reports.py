@@ -174,6 +174,8 @@ def _tests(ta: dict, tb: dict, allow_missing: bool) -> list[dict]:
             why = f"known issue {kb} fixed in B: remove (or bound) the entry"
         elif oa in PASSING and ob in FAILING:
             level, why = REGRESSION, "passed in A, fails in B"
+        elif ob in FAILING and str(y.get("message") or "").startswith("beyond known issue"):
+            level, why = REGRESSION, f"{oa or 'absent'} in A, fails in B beyond its known issue"
         elif kb and kb != ka and ob == "xfailed":
             level, why = REGRESSION, f"known issue {kb} newly applies in B"
         elif ob in FAILING and oa not in FAILING:

@@ -36,8 +36,11 @@ code:
   verdict it expects and why.
 
 For the ``shm`` backend the worker-side engine (``harness/transfer/shm_engine.py``) is
-copied verbatim next to the script as ``<script stem>_shm_engine.py``: vLLM imports it
-in its own worker processes, so it has to be a file. The NCCL and IPC scripts are one
+written next to the script as ``<script stem>_shm_engine.py``: vLLM imports it in its
+own worker processes, so it has to be a file. It is the engine as the harness runs it,
+its one harness import (``harness/portable/reload.py``, the reload calls by vLLM
+release) replaced by that module's code, so that it, too, runs without the harness
+(``engine_text``). The NCCL and IPC scripts are one
 file. This module imports nothing of pytest, vLLM or torch.
 """
 
@@ -52,7 +55,6 @@ import io
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -495,6 +497,35 @@ def engine_file_name(script: Path) -> str:
     return f"{script.stem}_shm_engine.py"
 
 
+ENGINE_IMPORT = "from harness.portable.reload import mtp_guard, reload_lifecycle"
+ENGINE_PORTABLE = PORTABLE / "reload.py"
+
+
+def engine_text() -> str:
+    """The shm engine for a script's second file: ``SHM_ENGINE`` with its import of
+    ``harness.portable.reload`` replaced by that module's code (its docstring left out).
+    EmitError where the engine imports the harness otherwise: the file must run where
+    the harness is not installed."""
+    text = SHM_ENGINE.read_text()
+    lines = [ln for ln in text.splitlines(keepends=True) if ln.startswith(ENGINE_IMPORT)]
+    if len(lines) != 1:
+        raise EmitError(f"{SHM_ENGINE} must import its reload calls once, as "
+                        f"{ENGINE_IMPORT!r}")
+    source = ENGINE_PORTABLE.read_text()
+    tree = ast.parse(source)
+    first = tree.body[0]
+    if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
+        source = "".join(source.splitlines(keepends=True)[first.end_lineno:])
+    block = (f"# -- harness/portable/reload.py, written here by `harness repro --emit` --\n"
+             f"{source.strip()}\n# -- end of harness/portable/reload.py --\n")
+    text = text.replace(lines[0], block, 1)
+    left = [ln.strip() for ln in text.splitlines()
+            if re.match(r"\s*(from|import)\s+harness(\.|\s|$)", ln)]
+    if left:
+        raise EmitError(f"{SHM_ENGINE} still imports the harness: {left}")
+    return text
+
+
 def emit(scenario: dict[str, Any], path: Path) -> list[Path]:
     """Write the script (and, for shm, the engine file next to it); returns the paths."""
     text = render(scenario)
@@ -502,7 +533,7 @@ def emit(scenario: dict[str, Any], path: Path) -> list[Path]:
     written = []
     if scenario.get("shm_engine_file"):
         engine = path.parent / scenario["shm_engine_file"]
-        shutil.copyfile(SHM_ENGINE, engine)
+        engine.write_text(engine_text())
         written.append(engine)
     path.write_text(text)
     path.chmod(0o755)
