@@ -13,6 +13,7 @@ import pytest
 
 from harness.core import facts
 from harness.pytest import settings
+from harness.run import plan
 
 SAMPLE = """
 import re
@@ -39,8 +40,11 @@ def project(pytester, monkeypatch):
         if opt.legacy_env:
             monkeypatch.delenv(opt.legacy_env, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU probe: a CPU host
+    # the inner runs share this process: forget the host it saw (1 GPU on a GPU runner)
+    plan._this_host.cache_clear()
     pytester.makepyfile(test_sample=SAMPLE)
-    return pytester
+    yield pytester
+    plan._this_host.cache_clear()
 
 
 BAD = [
