@@ -45,8 +45,8 @@ def versions(extra: Iterable[str] = ()) -> dict:
 
 def host() -> dict:
     """The Python, the platform, the machine, its CPU model and count. Two GPU runs on
-    the same card ran at half each other's pace (reports/gpu/README.md, the eighteenth
-    visit) with only the kernel's build string to tell their hosts apart."""
+    the same kind of card ran at half each other's pace with only the kernel's build
+    string (in ``platform``) to tell their hosts apart (reports/gpu/README.md)."""
     return {"python": platform.python_version(), "platform": platform.platform(),
             "machine": platform.machine(), "cpu_model": cpu_model(),
             "cpu_count": os.cpu_count()}

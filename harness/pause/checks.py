@@ -299,7 +299,7 @@ def check_abort_reports_finish_reason(client: ServerClient, abort: PauseStyle,
     ``PauseCheckFailure``.
 
     vLLM's abort finishes the requests its engine holds; one still on its way there
-    (the API server not yet done with it: seen on 1 x H200 beside seven starting
+    (the API server not yet done with it: seen on a GPU beside seven starting
     servers, 1.2 s after it was sent) arrives after the abort and is held until
     /resume, as a request sent while paused should be. So a request unanswered
     ``answer_seconds`` after the abort makes the attempt ambiguous: resume, let it

@@ -28,7 +28,7 @@ from harness.transfer import VARIANTS, BackendVariant
 from harness.vllm.server import ServerConfig
 
 # A fixed KV cache for GPU servers. Sized from the memory fraction, a tiny model's KV
-# cache on an H200 holds tens of millions of tokens, and vLLM 0.26 then crashed at
+# cache on a large GPU holds tens of millions of tokens, and vLLM 0.26 then crashed at
 # start-up warm-up with "illegal memory access" in a Triton kernel (measured: fraction
 # 0.5 crashed, 0.3 worked, for the same model); 2 GiB is plenty for these tests.
 GPU_KV_CACHE_BYTES = 2 << 30
@@ -156,8 +156,8 @@ FEATURES: dict[str, Feature] = {
 }
 
 
-# Seen on 1 x H200 with vLLM 0.26.0 (reports/gpu/README.md, seventh visit): what a GPU
-# server cannot take in float32, by feature or zoo model.
+# What a GPU server cannot take in float32, by feature or zoo model: each fails at start
+# (seen on a GPU host with vLLM 0.26.0, reports/gpu/README.md).
 GPU_FLOAT32_UNSUPPORTED = {
     "lora": "vLLM's Triton LoRA kernels take fp16/bf16 weights only (the engine fails at "
             "start: 'assert weight.dtype in [torch.float16, torch.bfloat16]', "

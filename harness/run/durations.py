@@ -1,7 +1,7 @@
 """Measured test durations, per test function and host kind, for the plan's estimates.
 
 The plan and the partition weigh each test by what it costs (``plan.estimates``). One
-figure for every test hides what matters: on 1 x H200 a refusal takes a tenth of a
+figure for every test hides what matters: on a GPU a refusal takes a tenth of a
 second and a pause test 10 to 80 s, and the pause tests sit together in run order, so a
 replica cut by test count can get all of them and become the run's critical path while
 the plan takes it for the equal of the others.

@@ -89,8 +89,8 @@ def share_threads(config) -> int | None:
     """A worker's torch threads (intra-op), set at its configure: the host's cores shared
     out over the workers, at least one. torch gives every process one thread a core, so
     eight workers on 16 cores ran 128 threads beside the servers' starts, each worker
-    computing its HF references on the CPU; the 1-minute load reached 39 on an H200 host.
-    That the cap shortens a GPU run is not shown: on an H100 the references took 18.8 s
+    computing its HF references on the CPU; the 1-minute load of a GPU host reached 39.
+    That the cap shortens a GPU run is not shown: in one the references took 18.8 s
     with it and 18.4 s without (docs/planning.md). A user's ``OMP_NUM_THREADS`` is left
     to torch. Returns the count set, or None where nothing was set (no worker, one
     worker, OMP_NUM_THREADS given)."""
@@ -259,10 +259,10 @@ def await_workers(config, wait_s: float = STOP_WAIT_S) -> list[str]:
     """The controller of an interrupted run (Ctrl-C, a job's time limit), at the start
     of its end: waits up to ``wait_s`` for every worker to end its session, which stops
     its servers; returns the workers still going. pytest-xdist ends the workers next,
-    and kills one 10 s after asking it to exit. On 1 x H200 the workers took 26 s to
+    and kills one 10 s after asking it to exit. In a GPU run the workers took 26 s to
     stop their servers, and the controller, waiting 20 s more for their records, was
     killed by the job's limit 30 s after the interrupt, before it wrote its report
-    (reports/gpu/README.md, the seventeenth visit). Every worker writes a record (with
+    (reports/gpu/README.md). Every worker writes a record (with
     its pid) before its first test, so a worker that died is not waited for."""
     d = os.environ.get(DIR_ENV)
     n = config.getoption("numprocesses", None)
@@ -516,7 +516,7 @@ class Scheduling:
             node.send_runtest_some(send)
         # Nothing more for this worker: say so now, as xdist's own schedulers do. A worker
         # runs a test only once it knows the next one (pytest's nextitem), so without
-        # this each worker's last test waited for every other worker's: on an H100 all
+        # this each worker's last test waited for every other worker's: in a GPU run all
         # eight last tests began together at 582 s, their servers kept alive until then.
         if not (self.free or self.orphans or self.own.get(self._bin(node))):
             node.shutdown()

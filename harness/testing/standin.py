@@ -99,7 +99,7 @@ class StandinServer:
         # vLLM 0.33: abort/wait refuse requests sent while paused (HTTP 503), keep queues
         self.refuse_while_paused = refuse_while_paused
         # a loaded API server: a completion reaches the engine this long after it arrives
-        # (seen on 1 x H200 beside seven starting servers: over 1.2 s)
+        # (seen on a GPU beside seven starting servers: over 1.2 s)
         self.arrival_delay_s = arrival_delay_s
         self.seed = 0
         self.pause_mode: str | None = None   # None: running

@@ -15,7 +15,7 @@ the routes driven beside them) are ``harness.portable.send_nccl.NcclSender``, th
 one NCCL sender, which the emitted repro scripts copy too; ``raw`` (no trainer API
 at all: vLLM's communicator and our own tensor-by-tensor broadcast; unpacked
 only) is here, a subclass of that sender with a group and a broadcast of its own.
-Since the sender was shared (2026-12-04) it has run only against CPU stand-ins
+Since the sender was made one (docs/costs.md) it has run only against CPU stand-ins
 (tests/unit/test_repro_emit.py): on two GPUs it is a hypothesis until a run shows it.
 
 Nothing may wait forever. Every blocking step runs on a daemon thread that is

@@ -243,7 +243,7 @@ class ServerClient:
             # holds starts and wakes, not trainers or requests being served). vLLM raised
             # before its executor marked itself asleep (``Executor.sleep``, read in 0.26.0)
             # and its allocator pool is empty: the scheduler is paused (/is_sleeping says
-            # true) and a second /sleep does the sleep (3 of 3 on 1 x H200, 0.26.0:
+            # true) and a second /sleep does the sleep (3 of 3 on a GPU, 0.26.0:
             # tests/test_sleep.py). A sleep-mode server is never asked twice: its
             # allocator has already moved the weights.
             log.warning("%s: /sleep?level=%s failed with %r while other processes of this run "

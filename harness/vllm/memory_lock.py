@@ -4,7 +4,7 @@ vLLM's GPU worker reads the device's free memory before and after it sleeps, and
 the sleep with "Memory usage increased after sleeping." when the free memory fell in
 between (``v1/worker/gpu_worker.py`` ``sleep``, read in 0.32.0). The figure is
 device-wide: a server that starts meanwhile on the same GPU, mapping its weights and
-KV cache, makes another server's sleep fail. Seen on 1 x H200 (vLLM 0.26.0) with eight
+KV cache, makes another server's sleep fail. Seen on one GPU (vLLM 0.26.0) with eight
 workers side by side: a 5-cycle sleep test got HTTP 500 from /sleep.
 
 So, in a parallel run on a GPU host, a server start holds this lock shared until it is
@@ -16,7 +16,7 @@ bounded: past ``WAIT_S`` the call goes ahead without the lock and says so in the
 
 The lock cannot hold what a trainer or a server answering requests allocates. A server
 without --enable-sleep-mode frees nothing when it sleeps, so even a small allocation
-elsewhere fails its sleep: seen on 1 x H200 (known issue sleep-judged-by-device-free-memory), and asked again by
+elsewhere fails its sleep: seen on a GPU (known issue sleep-judged-by-device-free-memory), and asked again by
 ``ServerClient.sleep`` (never for a sleep-mode server, whose weights have already moved).
 """
 
@@ -60,14 +60,14 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
     A sleep goes first: every holder passes a turnstile (``<path>.turn``) on its way
     in, and a sleep keeps it shut while it waits, so starts that begin after the
     sleep asked wait for it. Without the turnstile a sleep waited for a moment with no
-    start under way, and on 1 x H200 with eight workers, whose 37 starts overlapped for
-    13 minutes, sleep tests waited 435-559 s (reports/gpu/README.md, the ninth visit).
+    start under way, and with eight workers on one GPU, whose 37 starts overlapped for
+    13 minutes, sleep tests waited 435-559 s (reports/gpu/README.md).
 
     ``queue=False`` (a wake) skips the turnstile: it waits only for a sleep that holds
     the lock, not for one still waiting for starts. A wake maps memory in milliseconds,
-    so it cannot starve a sleep. Behind the turnstile a ``/wake_up`` took 227 s on an
-    H100 with eight workers while the engine's wake took 0.004 s (the fourteenth GPU
-    visit): read from those timings, it waited out the sleeps queued before it, and
+    so it cannot starve a sleep. Behind the turnstile a ``/wake_up`` took 227 s with
+    eight workers on one GPU while the engine's wake took 0.004 s (reports/gpu/README.md):
+    read from those timings, it waited out the sleeps queued before it, and
     each of those the starts under way. That skipping the turnstile shortens a GPU run
     is not measured yet.
 
@@ -75,7 +75,7 @@ def held(exclusive: bool, what: str, *, gpu: bool = True, path: Path | None = No
     already and goes ahead at once. A test that sleeps several times holds the lock
     alone across them (``ServerClient.alone_on_the_gpu``): one wait for the starts under
     way instead of one per sleep, each sleep waiting out the starts that slipped in
-    since the last (on an H100, a 3-cycle test waited 263 s of its 266 s). Other
+    since the last (in a GPU run, a 3-cycle test waited 263 s of its 266 s). Other
     threads of the process, a worker's start threads among them, wait as any holder
     elsewhere does."""
     path = (path or _path()) if gpu else None
