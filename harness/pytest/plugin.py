@@ -187,6 +187,11 @@ def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> 
     if not any(VARIANTS[b].needs_gpu for b in s.vllm_backend) and not any(
             layouts.LAYOUTS[n].gpus_needed for n in s.vllm_layout):
         return  # nothing selected needs a GPU: no probe
+    keyword = getattr(config.option, "keyword", "") or ""
+    marks = getattr(config.option, "markexpr", "") or ""
+    if not (keyword.strip() or marks.strip() or {"vllm_backend", "vllm_layout"} & s.explicit):
+        return  # nothing narrowed: the CPU cases are in it, so no probe (and none in a
+        # project that does not use the harness)
     gpus = s.gpus()
     tails = [f"{facts.short_dtype(d)}-{Path(m).name}" for d in s.vllm_dtype for m in s.vllm_model]
 
@@ -194,8 +199,6 @@ def _refuse_gpu_only_selection(config: pytest.Config, s: _settings.Settings) -> 
         return [f"{b}-{n}-{t}" for b in s.vllm_backend for n in names for t in tails
                 if layouts.runs_on(VARIANTS[b], layouts.LAYOUTS[n])
                 and (layouts.LAYOUTS[n].gpus_needed <= gpus) == here]
-    keyword = getattr(config.option, "keyword", "") or ""
-    marks = getattr(config.option, "markexpr", "") or ""
     named = _selection.names_only_gpu_cases(
         keyword, marks, ids(s.vllm_layout, False), ids(layouts.LAYOUTS, True),
         _selection.case_vocabulary(VARIANTS, {v.engine for v in VARIANTS.values()},
@@ -527,7 +530,7 @@ def pytest_runtestloop(session: pytest.Session):
         _keep_terminal(session.config)
         _start_pool(session.config, state)
     elif (state is not None and runs
-          and (slots := parallel.start_slots(session.config, state.settings.host())) is not None):
+          and (slots := parallel.start_slots(session.config, state.settings.host)) is not None):
         slots.idle(True)  # a worker without servers: its start slot is the others' to use
     if state is not None and runs and hasattr(session.config, "workerinput"):
         parallel.save_record(session.config, state, final=False)  # its pid, for an interrupt
@@ -593,7 +596,7 @@ def _start_pool(config: pytest.Config, state: RunState) -> ServerPool:
         spares = min(spares, 1)
     processes = TrainerProcesses(spares, log_dir)
     atexit.register(processes.close)  # a run cut short still stops its spares
-    slots = parallel.start_slots(config, s.host())
+    slots = parallel.start_slots(config, s.host)
     # side by side, the host's slots bound the starts: a worker may start as many of its
     # own servers at once as it keeps alive, in slots the other workers do not need
     max_starting = plan.max_starting if plan else 1

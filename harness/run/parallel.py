@@ -76,13 +76,15 @@ def worker(config) -> tuple[int, int] | None:
     return int(str(wi["workerid"]).lstrip("gw")), int(wi["workercount"])
 
 
-def start_slots(config, host: _plan.Host) -> StartSlots | None:
+def start_slots(config, host: Callable[[], _plan.Host]) -> StartSlots | None:
     """This worker's view of the host's start slots (``harness.run.start_slots``), in a
-    run scheduled here with two workers or more; None elsewhere."""
+    run scheduled here with two workers or more; None elsewhere. ``host`` is asked only
+    then: describing this host probes its GPUs, which a run of one process (a project
+    that does not use the harness, say) must not pay for."""
     share = worker(config)
     if share is None or share[1] < 2:
         return None
-    return StartSlots(os.environ[DIR_ENV], host.max_starting(), *share)
+    return StartSlots(os.environ[DIR_ENV], host().max_starting(), *share)
 
 
 def share_threads(config) -> int | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import known_issues as ki
+from harness.core import reportfile
 from harness.known_issues import bounds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +194,7 @@ def test_diff_calls_a_failure_beyond_its_known_issue_a_regression(tmp_path, monk
     from harness.commands import diff
 
     nodeid = "tests/test_known_issues.py::test_partial_update_keeps_unsent_weights[shm-cpu-fp32-llama]"
-    base = json.loads((ROOT / "reports" / "cpu-vllm-0.32.0.json").read_text())
+    base = json.loads(reportfile.read_text(ROOT / "reports" / "cpu-vllm-0.32.0.json.gz"))
     test_a = next(t for t in base["tests"] if t["nodeid"] == nodeid)
     test_b = dict(test_a, outcome="failed", message="beyond known issue partial-fused-update-"
                   "uninitialized-shard: got partial_max_abs_dlogprob 45.6, known up to 12",
