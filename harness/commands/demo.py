@@ -22,7 +22,7 @@ from harness.run.cases import DEMO_MODEL
 from harness.transfer import SHORTHANDS
 
 
-# The options it shares with pytest, from the one table (harness.pytest.settings.OPTIONS).
+# The options it shares with pytest, from the one table (harness.run.settings.OPTIONS).
 USES = (
     command_options.Use("vllm_backend", default="shm", shorthands=SHORTHANDS,
                  why="nccl and ipc mean the packed variants"),

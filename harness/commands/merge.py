@@ -29,8 +29,8 @@ How each part of the report is combined (``merge_reports``):
                   telling one: fixed, then known, then the first part's
 ``servers``       concatenated, each with ``shard``: its part's position (1-based)
 ``plan``          the parts' plans joined: tests, starts and expected start time
-                  summed, servers, restarts and waves concatenated, the expected wall
-                  time the longest
+                  summed, servers, contingent restarts and waves concatenated, the
+                  expected wall time the longest
 ``timing``        counts and seconds that add up are summed (servers started and
                   planned, start time summed, restarts, test time, syncs, phases,
                   spares kept and taken); the starts' wall time and ``pool_made_at``
@@ -145,7 +145,7 @@ def _plan(reports: list[dict]) -> dict | None:
     out = {**plans[0]}
     for key in ("tests", "starts"):
         out[key] = sum(p.get(key) or 0 for p in plans)
-    for key in ("servers", "restarts", "contingent_restarts"):
+    for key in ("servers", "contingent_restarts"):
         out[key] = [x for p in plans for x in p.get(key) or []]
     expected = [p["expected"] for p in plans if isinstance(p.get("expected"), dict)]
     if expected:

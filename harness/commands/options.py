@@ -9,7 +9,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from harness.pytest.settings import BY_NAME, Option, SettingsError, _from_environment, _parse
+from harness.run.settings import (BY_NAME, Option, SettingsError, parse_value,
+                                   value_from_environment)
 
 
 _TABLE = object()  # Use.default: the table's own
@@ -96,14 +97,14 @@ def resolve_command(args: argparse.Namespace, uses: tuple[Use, ...],
         opt = u.option
         raw, where = getattr(args, opt.name, None), "command line"
         if raw is None or raw == []:
-            raw, where = _from_environment(opt, environ, legacy=False)
+            raw, where = value_from_environment(opt, environ, legacy=False)
         if raw is None:
             setattr(args, opt.name, u.value())
             continue
         if u.shorthands:
             raw = ([u.shorthands.get(x, x) for x in raw] if isinstance(raw, list)
                    else u.shorthands.get(raw, raw))
-        value = _parse(opt, raw, where)
+        value = parse_value(opt, raw, where)
         if opt.multiple and not u.repeatable:
             if len(value) != 1:
                 label = opt.flag if where == "command line" else f"{opt.flag} ({where})"

@@ -234,7 +234,7 @@ def wait_until(ready: Callable[[], Any], *, timeout: float, what: str, interval:
 # ----------------------------------------------------------------------------- environment
 
 # The first release read its settings from these names, in vLLM's namespace. They are
-# still honoured (harness.pytest.settings, with a deprecation warning) but never passed on to
+# still honoured (harness.run.settings, with a deprecation warning) but never passed on to
 # a vLLM process; tests check this list against the settings table.
 HARNESS_LEGACY_ENV = frozenset({
     "VLLM_URL", "VLLM_MODEL", "VLLM_DTYPE", "VLLM_BACKEND", "VLLM_LAYOUT", "VLLM_GPUS",

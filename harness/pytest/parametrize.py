@@ -10,8 +10,8 @@ from harness import models
 from harness.core import facts
 from harness.core.facts import canonical_dtype
 from harness.pytest import selection as _selection
-from harness.pytest import settings as _settings
 from harness.run import plan as _plan
+from harness.run import settings as _settings
 from harness.run.cases import Case, build_cases, server_config_for, twin_config
 from harness.trainer import user as trainer_plugin
 

@@ -1,7 +1,7 @@
 """pytest wiring, and nothing else: options, markers, fixtures, hooks.
 
 The work is done by the engine (``harness.run.cases``, ``harness.run.pool``, ``harness.run.flow``);
-settings are resolved and checked once by ``harness.pytest.settings``. Test ids read
+settings are resolved and checked once by ``harness.run.settings``. Test ids read
 ``<backend>-<layout>-<dtype>-<model>`` (``shm-cpu-fp32-llama``,
 ``ipc-packed-1gpu-colocated-fp32-llama``), so ``pytest -k ipc`` selects by backend.
 
@@ -29,10 +29,10 @@ from harness.core import facts, measure
 from harness.models import ModelUnavailable
 from harness.pytest import selection as _selection
 from harness.pytest import coverage, parametrize, summary
-from harness.pytest import settings as _settings
 from harness.pytest.parametrize import case_of, need
 from harness.run import parallel
 from harness.run import plan as _plan
+from harness.run import settings as _settings
 from harness.run.cases import Case
 from harness.run.flow import FlowResult, SyncSession, seed_flow, trainer_spec
 from harness.run.pool import NeedsFreshServer, ServerPool, ServerUnavailable

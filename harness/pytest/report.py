@@ -34,7 +34,7 @@ of the session it writes one JSON document:
                   (seconds after the pool was made), how many started together, the
                   reason of a restart, the trainers prepared on it
 ``plan``          the server plan (harness.run.plan): every server with its tests, starts,
-                  planned and contingent restarts, the host it was sized for, and the
+                  resets and contingent restarts, the host it was sized for, and the
                   expected waves and wall time
 ``timing``        starts and restarts (with reasons), start time summed and as wall
                   time and per serving mode, test time, every sync, and the tests'

@@ -10,9 +10,9 @@ import pytest
 from harness.core import environment, measure
 from harness.pytest import coverage
 from harness.pytest import selection as _selection
-from harness.pytest import settings as _settings
 from harness.run import parallel
 from harness.run import plan as _plan
+from harness.run import settings as _settings
 from harness.run.pool import start_seconds_by_mode
 
 

@@ -1,1 +1,1 @@
-"""How a run is laid out and driven: GPU layouts, cases and their server configurations, the plan and its parts, the pool of servers, a test's sync session (`flow`, `sync`) and tests side by side (`parallel`)."""
+"""How a run is laid out and driven: GPU layouts, cases and their server configurations, the plan and its parts, the option table the plugin and the commands share (`settings`), the pool of servers, a test's sync session (`flow`, `sync`) and tests side by side (`parallel`)."""

@@ -205,7 +205,6 @@ class Plan:
     host: Host
     max_starting: int
     max_alive: int
-    restarts: list[tuple[ServerConfig, str]]   # planned (none: resets stand for them)
     contingent: list[tuple[ServerConfig, str]]  # if a breaks_server test breaks it
     resets: list[tuple[ServerConfig, str]] = dataclasses.field(default_factory=list)
 
@@ -220,7 +219,8 @@ class Plan:
         return out
 
     def starts(self) -> int:
-        return len(self.servers) + len(self.restarts)
+        """Planned starts: one per server, since a reset of the weights stands in for a restart."""
+        return len(self.servers)
 
     def as_dict(self, schedule: "Schedule | None" = None) -> dict:
         d = {"host": dataclasses.asdict(self.host), "max_starting": self.max_starting,
@@ -229,7 +229,6 @@ class Plan:
                           "first_test": self.needs[p.first].test,
                           "last_test": self.needs[p.last].test} for p in self.servers],
              "starts": self.starts(),
-             "restarts": [{"config": c.describe(), "reason": r} for c, r in self.restarts],
              "resets": [{"config": c.describe(), "reason": r} for c, r in self.resets],
              "contingent_restarts": [{"config": c.describe(), "reason": r}
                                      for c, r in self.contingent]}
@@ -242,7 +241,7 @@ def make_plan(needs: list[Need], host: Host, *, max_starting: int | None = None,
               max_alive: int | None = None) -> Plan:
     """The plan for ``needs`` in the order given (``order_key`` sorts them)."""
     by_cfg: dict[ServerConfig, PlannedServer] = {}
-    restarts, contingent, resets = [], [], []
+    contingent, resets = [], []
     synced_by: dict[ServerConfig, str] = {}
     broken_by: dict[ServerConfig, str] = {}
     for i, need in enumerate(needs):
@@ -265,7 +264,7 @@ def make_plan(needs: list[Need], host: Host, *, max_starting: int | None = None,
     servers = sorted(by_cfg.values(), key=lambda p: p.first)
     alive = max_alive or host.max_alive(by_cfg)
     return Plan(list(needs), servers, host, max_starting or host.max_starting(), alive,
-                restarts, contingent, resets)
+                contingent, resets)
 
 
 # ----------------------------------------------------------------------------- expectation
@@ -375,8 +374,7 @@ def estimates(host: Host) -> tuple[Callable[[int], float], Callable[[Need | None
 def describe(plan: Plan, schedule: Schedule | None = None, *, verbose: bool = False) -> list[str]:
     """The plan as lines for a terminal."""
     out = [f"server plan for {plan.host.describe()}: {len(plan.needs)} tests on "
-           f"{len(plan.servers)} servers, {plan.starts()} starts, {len(plan.restarts)} "
-           f"planned restarts; up to {plan.max_starting} starting at once, "
+           f"{len(plan.servers)} servers, {plan.starts()} starts; up to {plan.max_starting} starting at once, "
            f"{plan.max_alive} alive"]
     if schedule is not None:
         out.append(f"expected: {len(schedule.waves)} waves of starts "
@@ -392,8 +390,6 @@ def describe(plan: Plan, schedule: Schedule | None = None, *, verbose: bool = Fa
                    f"{len(p.tests):>5}  {p.first + 1}..{p.last + 1}")
         if verbose:
             out += [f"         {i + 1:>4}  {plan.needs[i].test}" for i in p.tests]
-    for cfg, why in plan.restarts:
-        out.append(f"  planned restart of {cfg.describe()}: {why}")
     for cfg, why in plan.contingent:
         out.append(f"  restart if broken: {cfg.describe()}: {why}")
     return out

@@ -1,5 +1,5 @@
 """One option vocabulary: the ``harness`` commands take the options they share with
-pytest under pytest's names, from the same table (``harness.pytest.settings.OPTIONS``), with
+pytest under pytest's names, from the same table (``harness.run.settings.OPTIONS``), with
 the same ``HARNESS_*`` environment variables; their old names still work, with a
 deprecation note. Nothing here starts a server."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from harness.commands import cli
 from harness.commands import options, repro
-from harness.pytest import settings
+from harness.run import settings
 from harness.run import layouts
 
 COMMANDS = ("demo", "repro", "bench")

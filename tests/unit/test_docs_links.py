@@ -6,7 +6,7 @@ reports/:
 * relative Markdown links and images, ``[text](target)``, resolved against the page's
   directory (web addresses are left alone); a ``#part`` of a link to a Markdown page
   must be one of that page's headings, as GitHub spells its anchors;
-* backticked repository paths, ``harness/pytest/settings.py``: a backticked token whose first
+* backticked repository paths, ``harness/run/settings.py``: a backticked token whose first
   component is one of the repository's top-level entries (``harness``, ``tests``,
   ``docs``, ``ci``, ``reports``, ...). Paths into vLLM's or another project's source
   (``vllm/platforms/cpu.py``) start elsewhere and are not ours to check; globs and

@@ -16,7 +16,7 @@ import types
 import psutil
 import pytest
 
-from harness.pytest import settings
+from harness.run import settings
 from harness.run.pool import Holding, ServerPool, ServerUnavailable, State
 from harness.testing import faults
 from harness.trainer.damage import LyingClient, corrupt_weights, lie_about

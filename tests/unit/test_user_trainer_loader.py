@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness.pytest import settings
+from harness.run import settings
 from harness.trainer import user as trainer_plugin
 from harness.trainer.handle import TrainerSpec, run_trainer
 

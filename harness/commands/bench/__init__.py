@@ -154,7 +154,7 @@ def host_header(plan: Plan, args: argparse.Namespace, gpus_visible: int) -> dict
 # ----------------------------------------------------------------------------- cli
 
 def _uses():
-    """The options it shares with pytest, from the one table (harness.pytest.settings.OPTIONS)."""
+    """The options it shares with pytest, from the one table (harness.run.settings.OPTIONS)."""
     from harness.commands.options import Use
 
     return (
@@ -220,7 +220,7 @@ MEASURING = ("sizes", "warm", "limit_reps")
 
 def _run(args: argparse.Namespace) -> int:
     from harness.commands.options import resolve_command
-    from harness.pytest.settings import SettingsError
+    from harness.run.settings import SettingsError
 
     uses = _uses()
     given = [f"--{n.replace('_', '-')}" for n in [u.name for u in uses] + list(MEASURING)

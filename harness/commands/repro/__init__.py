@@ -61,7 +61,7 @@ class UsageError(ValueError):
 
 
 def _uses():
-    """The options it shares with pytest, from the one table (harness.pytest.settings.OPTIONS)."""
+    """The options it shares with pytest, from the one table (harness.run.settings.OPTIONS)."""
     from harness.commands.options import Use
     from harness.run.cases import REPRO_MODEL
 
@@ -126,7 +126,7 @@ class Scenario:
     def __init__(self, args: argparse.Namespace):
         from harness import models
         from harness.commands.options import resolve_command
-        from harness.pytest.settings import SettingsError
+        from harness.run.settings import SettingsError
         from harness.run import cases
         from harness.run import layouts
         from harness.trainer.handle import CORRUPTIONS
@@ -165,7 +165,7 @@ class Scenario:
         if args.emit == DEFAULT_EMIT:
             DEFAULT_EMIT.parent.mkdir(parents=True, exist_ok=True)
         if args.emit is not None:  # the rule of every output file (--harness-report's)
-            from harness.pytest.settings import output_file
+            from harness.run.settings import output_file
 
             try:
                 output_file("--emit", str(args.emit))

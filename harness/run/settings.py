@@ -414,7 +414,8 @@ def _split(values: list[Any]) -> list[str]:
     return out
 
 
-def _from_environment(opt: Option, environ: Mapping[str, str], legacy: bool) -> tuple[Any, str]:
+def value_from_environment(opt: Option, environ: Mapping[str, str],
+                           legacy: bool) -> tuple[Any, str]:
     """(raw value, where it came from) of ``opt`` in the environment, or (None, '')."""
     if environ.get(opt.env):
         return environ[opt.env], f"env {opt.env}"
@@ -425,7 +426,7 @@ def _from_environment(opt: Option, environ: Mapping[str, str], legacy: bool) -> 
     return None, ""
 
 
-def _parse(opt: Option, raw: Any, where: str) -> Any:
+def parse_value(opt: Option, raw: Any, where: str) -> Any:
     """``raw`` (a string, or a list of them) checked by ``opt``'s parser; a tuple of
     unique values for an option that takes several. Raises SettingsError."""
     label = opt.flag if where == "command line" else f"{opt.flag} ({where})"
@@ -447,7 +448,7 @@ def resolve(cli: Callable[[str], Any], ini: Callable[[str], Any],
     for opt in OPTIONS:
         raw, where = cli(opt.name), "command line"
         if raw is None or raw == []:
-            raw, where = _from_environment(opt, environ, legacy=True)
+            raw, where = value_from_environment(opt, environ, legacy=True)
         if raw is None or raw == []:
             raw, where = ini(opt.name) or None, "ini"
         if raw is None:
@@ -455,7 +456,7 @@ def resolve(cli: Callable[[str], Any], ini: Callable[[str], Any],
             continue
         explicit.add(opt.name)
         sources.append((opt.name, where))
-        values[opt.name] = _parse(opt, raw, where)
+        values[opt.name] = parse_value(opt, raw, where)
     s = Settings(**values, explicit=frozenset(explicit), sources=tuple(sources))
     _check_combinations(s)
     return s
