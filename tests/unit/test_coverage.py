@@ -81,7 +81,10 @@ def test_the_summary_and_the_report_name_what_a_run_did_not_exercise(pytester, m
     (pytester.path / "tests" / "test_lora.py").write_text("def test_adapter(case):\n    pass\n")
     monkeypatch.delenv("HARNESS_REPORT", raising=False)
     report = pytester.path / "report.json"
-    r = pytester.runpytest("-rA", "-p", "no:cacheprovider", "--vllm-layout", "cpu",
+    # importlib: the inner modules share the suite's basenames (tests/test_lora.py, ...),
+    # which a worker that ran the suite has imported already ("import file mismatch")
+    r = pytester.runpytest("-rA", "-p", "no:cacheprovider", "--import-mode=importlib",
+                           "--vllm-layout", "cpu",
                            "--harness-report", str(report), "tests")
     r.assert_outcomes(passed=1, skipped=1)
     out = r.stdout.str()

@@ -164,7 +164,10 @@ def test_a_stand_in_ten_times_worse_than_the_shipped_entry_fails_the_run(pyteste
     monkeypatch.setattr(ki, "target_version", lambda url: ("0.32.0", "faked by the test"))
     monkeypatch.setattr(ki, "host_kind", lambda: "cpu")
     report = pytester.path / "report.json"
-    r = pytester.runpytest("-rA", "-p", "no:cacheprovider", "--vllm-layout", "cpu",
+    # importlib: the inner modules share the suite's basenames (tests/test_lora.py, ...),
+    # which a worker that ran the suite has imported already ("import file mismatch")
+    r = pytester.runpytest("-rA", "-p", "no:cacheprovider", "--import-mode=importlib",
+                           "--vllm-layout", "cpu",
                            "--harness-report", str(report), "tests/test_known_issues.py")
     r.assert_outcomes(failed=1, xfailed=1)
     out = r.stdout.str()
