@@ -278,7 +278,7 @@ def test_routes_captured_from_the_pool(pytester, monkeypatch, openapi_server):
     before the pool's teardown stops it."""
     pytester.makeconftest(f"""
 import pytest
-from harness.pytest.plugin import STATE
+from harness.pytest.run_state import STATE
 
 class Cfg:
     def describe(self):
