@@ -142,7 +142,7 @@ class Trainer:
                  api_key: str | None = None, processes: TrainerProcesses | None = None,
                  spares: bool = True, spare: Spare | None = None):
         self.spec = spec
-        # the run's spares and retired trainers (None: no spares, and retire waits)
+        # the run's spares and exiting trainers (None: no spares, and close_in_background waits)
         self.processes = processes
         self.spares = spares  # take over one of the run's spares, and start the next one
         self.log_dir = Path(log_dir)
@@ -173,7 +173,7 @@ class Trainer:
         env = trainer_env(self.env, self.api_key)
         t0 = time.monotonic()
         if self.processes is not None:
-            self.processes.retiring.poll()
+            self.processes.exiting.poll()
         spec = dataclasses.asdict(self.spec)
         spare, self._own_spare = self._own_spare, None
         if spare is not None and spare.proc.poll() is not None:
@@ -309,11 +309,11 @@ class Trainer:
                 pass
         self.kill()
 
-    def retire(self) -> None:
+    def close_in_background(self) -> None:
         """Like ``close``, without waiting: the child is asked to exit and left to do
         it (a process with a CUDA context takes seconds to end) while the caller goes
-        on; the run's ``Retiring`` reaps it, and kills it if it outlives its grace. Only for an
-        engine whose group is the trainer's own (IPC handles, shm buckets); an NCCL
+        on; the run's ``ExitingTrainers`` reaps it, and kills it if it outlives its grace.
+        Only for an engine whose group is the trainer's own (IPC handles, shm buckets); an NCCL
         trainer, whose group spans the server, is closed and waited for."""
         if (self.spec.engine not in RECOVERS_IN_PLACE or not self.alive()
                 or self.processes is None):
@@ -326,7 +326,7 @@ class Trainer:
         except OSError:
             self.kill()
             return
-        self.processes.retiring.add(self.proc, self._results, self.scratch)
+        self.processes.exiting.add(self.proc, self._results, self.scratch)
         self.proc, self._results, self.scratch = None, None, None
 
     def kill(self) -> None:
@@ -357,8 +357,8 @@ def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = No
                 context: Callable[[], str] | None = None, api_key: str | None = None,
                 processes: TrainerProcesses | None = None) -> dict:
     """One sync by a trainer of its own (a fresh process and group, one of the run's
-    spares where ``processes`` keeps them), then gone: retired (``Trainer.retire``) when it
-    was given a log directory and the run's ``processes``, else closed before the
+    spares where ``processes`` keeps them), then gone: closed in the background
+    (``Trainer.close_in_background``) when it was given a log directory and the run's ``processes``, else closed before the
     temporary one holding its log is removed. ``close_seconds`` in the result: how long
     the caller waited for that."""
     with tempfile.TemporaryDirectory(prefix="harness-trainer-") as tmp:
@@ -371,6 +371,6 @@ def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = No
             t.close()
             raise
         t0 = time.monotonic()
-        t.retire() if log_dir is not None else t.close()
+        t.close_in_background() if log_dir is not None else t.close()
         result["close_seconds"] = time.monotonic() - t0
         return result

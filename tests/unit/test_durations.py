@@ -40,8 +40,8 @@ def test_the_committed_table_names_test_functions_that_exist(kind):
     assert sources and all((ROOT / s["report"]).is_file() and s["tests"] > 0 for s in sources)
 
 
-def _need(nodeid: str) -> P.Need:
-    return P.Need(nodeid, ServerConfig(model="/zoo/llama", backend="ipc", device_ids=(0,)))
+def _need(nodeid: str) -> P.ServerNeed:
+    return P.ServerNeed(nodeid, ServerConfig(model="/zoo/llama", backend="ipc", device_ids=(0,)))
 
 
 def test_the_estimate_is_the_measured_median_where_known_and_the_constant_elsewhere():

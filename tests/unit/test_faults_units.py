@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from harness.run import settings
-from harness.run.pool import Holding, ServerPool, ServerUnavailable, State
+from harness.run.pool import ServerPool, ServerUnavailable
+from harness.run.server_weights import ServerWeights, State
 from harness.testing import faults
 from harness.trainer.damage import LyingClient, corrupt_weights, lie_about
 from harness.trainer.handle import (API_KEY_ENV, FAKE_GPU_UUID, LIES, Trainer, TrainerError,
@@ -327,10 +328,10 @@ def test_a_failed_sync_keeps_its_own_error_and_says_how_the_server_is(tmp_path):
     class Pool:
         log_dir = tmp_path
 
-        def holding_of(self, cfg):
-            return Holding()
+        def weights_of(self, cfg):
+            return ServerWeights()
 
-        def set_holding(self, cfg, state, weights):
+        def record_weights(self, cfg, state, weights):
             calls.append(state)
 
         def trainer(self, cfg, spec):
