@@ -69,7 +69,8 @@ def _entry(nodeid: str, duration: float, outcome: str = "passed", case=CASE, **t
 
 
 def _report(tests: list[dict], gpus: int = 0) -> dict:
-    return {"header": {"start_time": "2026-12-03T10:00:00+00:00", "git": {"commit": "abc"},
+    return {"schema": 3,
+            "header": {"start_time": "2026-12-03T10:00:00+00:00", "git": {"commit": "abc"},
                        "gpus": {"used": gpus}},
             "tests": tests}
 
