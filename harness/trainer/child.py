@@ -25,10 +25,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from harness import transfer
 from harness.core.facts import torch_dtype_name
 from harness.trainer.damage import LyingClient, corrupt_weights
-from harness.trainer.handle import (API_KEY_ENV, DROP_ENV, RECOVERS_IN_PLACE, USER_CODE_OPTIONS,
-                                    VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS, TrainerSpec)
+from harness.trainer.handle import (API_KEY_ENV, DROP_ENV, USER_CODE_OPTIONS,
+                                    VLLM_CODE_CORRUPTIONS, VLLM_CODE_OPTIONS, TrainerSpec,
+                                    recovers_in_place)
 from harness.trainer.spares import SCRATCH_ENV
 
 
@@ -273,17 +275,9 @@ class _UserCode(_VllmCode):
 
         spec, key = self.spec, os.environ.get(API_KEY_ENV) or None
         scratch = tempfile.mkdtemp(prefix="user-trainer-", dir=os.environ.get(SCRATCH_ENV))
-        if spec.engine == "shm":
-            info: dict[str, Any] = {"root": tempfile.mkdtemp(prefix="shm-", dir=scratch)}
-        elif spec.engine == "nccl":
-            from harness.core.facts import free_port
-            from harness.vllm.client import ServerClient
-
-            world = ServerClient(spec.url, timeout=spec.timeout, api_key=key).world_size()
-            info = {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"),
-                    "world_size": world + 1, "rank_offset": 1}
-        else:
-            info = {}
+        make_info = transfer.backend(spec.engine).user_init_info
+        info: dict[str, Any] = (make_info(spec.url, spec.timeout, key, scratch)
+                                if make_info is not None else {})
         return TrainerContext(url=spec.url, urls=(spec.url,), backend=spec.engine,
                               packed=spec.packed, init_info=info, device=spec.device,
                               dtype=spec.dtype, timeout=spec.timeout, api_key=key,
@@ -501,7 +495,7 @@ def _child_main(spec_json: str, result_fd: int) -> int:
                 # judge: this trainer is done.
                 if result["unavailable"]:  # refused before anything was sent: nothing to undo
                     result["alive"] = True
-                elif (cmd["op"] == "sync" and spec.engine in RECOVERS_IN_PLACE
+                elif (cmd["op"] == "sync" and recovers_in_place(spec.engine)
                         and options.get("recover_in_place", True)
                         and isinstance(e, Exception) and code.has_group):
                     try:
@@ -561,7 +555,9 @@ def _warm_imports(engine: str, code: str, device: str) -> None:
     what fails here fails again, with its context, where the trainer needs it."""
     import importlib
 
-    names = ["torch", "harness.vllm.client", "harness.oracles.reference", f"harness.transfer.{engine}"]
+    backend = transfer.backend(engine)
+    names = ["torch", "harness.vllm.client", "harness.oracles.reference",
+             backend.sender.partition(":")[0]]
     if code == "vllm":
         names += ["harness.transfer.vllm_code"]
     for name in names:
@@ -573,11 +569,11 @@ def _warm_imports(engine: str, code: str, device: str) -> None:
         importlib.import_module("transformers").AutoModelForCausalLM  # a lazy module's import
     except Exception:
         pass
-    if engine != "shm" or code == "vllm":
+    if backend.vllm_api is not None or code == "vllm":
         try:
-            from harness.vllm import api as vllm_api
+            from harness.transfer import registry
 
-            vllm_api.probe()  # imports vLLM's engine modules, as the sender will
+            registry.probe()  # imports vLLM's engine modules, as the sender will
         except Exception:
             pass
     if device.startswith("cuda"):

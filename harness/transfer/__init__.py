@@ -1,11 +1,17 @@
-"""Weight-transfer backend variants, as data.
+"""Weight-transfer backends: what each engine is, as one object per engine.
 
-A variant is what a test is parametrized over: the engine vLLM is started with
-(``--weight-transfer-config '{"backend": engine}'``), whether the data plane is
-packed, and what hardware it needs. Each engine's trainer side is a class
-``Sender`` in its own module here (``shm``, ``nccl``, ``ipc``), which drives that
-engine's one sender in ``harness.portable`` (the code the repro scripts copy) with
-the life of an RL trainer's transfer group: ``init()`` once (the
+A ``Backend`` holds everything the harness knows about one weight-transfer engine
+(the name vLLM is started with: ``--weight-transfer-config '{"backend": engine}'``):
+its variants (what a test is parametrized over: packed or not, the hardware it
+needs), the layouts it runs on, how vLLM's own engine module and trainer API are
+named where the engine is vLLM's, whether the server must accept pickled payloads,
+whether a trainer survives a failed sync, the init info a trainer of your own gets,
+its sender for the harness and for the emitted repro script, and the bench's raw
+limit. Each engine's module here (``nccl``, ``ipc``, ``shm``) exports one as
+``BACKEND``; ``harness.transfer.registry`` finds them (vLLM's own engines built in,
+any other through the ``weight_sync_harness.backends`` entry point, as ``shm`` is).
+
+Each engine's trainer side is a ``Sender`` class: ``init()`` once (the
 ``/init_weight_transfer_engine`` call, plus the NCCL rendezvous), then ``send()``
 for every update (``/start_weight_update``, ``/update_weights``...,
 ``/finish_weight_update``), then ``close()``. Every ``send`` returns a
@@ -14,8 +20,12 @@ for every update (``/start_weight_update``, ``/update_weights``...,
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import importlib
+from typing import Any, Callable
+
+from harness.vllm.api import EngineApi  # how vLLM names one of its own engines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,23 +38,83 @@ class BackendVariant:
     description: str
 
 
-VARIANTS: dict[str, BackendVariant] = {v.id: v for v in [
-    BackendVariant("shm", "shm", False, False, False,
-                   "reference backend: safetensors buckets on tmpfs, CPU or GPU"),
-    BackendVariant("nccl-packed", "nccl", True, True, False,
-                   "NCCL broadcast of packed buffers, trainer on its own GPU"),
-    BackendVariant("nccl-unpacked", "nccl", False, True, False,
-                   "NCCL broadcast tensor by tensor, trainer on its own GPU"),
-    BackendVariant("ipc-packed", "ipc", True, True, True,
-                   "CUDA IPC handles to packed buffers, pickled over HTTP"),
-    BackendVariant("ipc-unpacked", "ipc", False, True, True,
-                   "CUDA IPC handle per tensor, pickled over HTTP"),
-]}
+@dataclasses.dataclass(frozen=True)
+class ScriptSender:
+    """What ``harness repro --emit`` copies for this engine: the portable modules the
+    script holds (``harness/portable/<name>.py``, the send module first) and whether
+    the script comes with the engine's worker-side file (an engine vLLM loads as a
+    plugin)."""
+
+    modules: tuple[str, ...]
+    engine_file: bool = False
 
 
-# The words the harness commands take for a variant, besides its id: an engine's name
-# alone means its packed variant (harness demo and harness repro alike).
-SHORTHANDS: dict[str, str] = {"nccl": "nccl-packed", "ipc": "ipc-packed"}
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One weight-transfer engine, all of it (see the module docstring)."""
+
+    engine: str
+    description: str
+    variants: tuple[BackendVariant, ...]
+    sender: str                                  # "module:Class", imported in the trainer only
+    layouts: tuple[str, ...]                     # the layouts it runs on; the first is its default
+    shorthand: str | None = None                 # the variant id the engine's name alone means
+    vllm_api: EngineApi | None = None            # vLLM's own engine; None: a plugin's
+    vllm_plugin: str | None = None               # the module of a plugin's vllm.general_plugins entry point
+    insecure_serialization: bool = False         # payloads pickled over HTTP (IPC handles)
+    recovers_in_place: bool = True               # a trainer survives a failed sync
+    twin_engine: str | None = None               # the engine its disk-loaded twin starts with
+    user_init_info: Callable[[Any], dict] | None = None  # TrainerSpec -> init info, yours
+    script: ScriptSender | None = None           # None: `harness repro --emit` cannot write it
+    raw_limit: str = "host"                      # the bench's raw limit: host, d2d or nccl
+    raw_limit_words: str = ""                    # that limit, as the bench's plot names it
+    workarounds: tuple[str, ...] = ()            # the opt-in workarounds its sender takes
+
+    @property
+    def default_layout(self) -> str:
+        return self.layouts[0]
+
+    @property
+    def needs_gpu(self) -> bool:
+        return all(v.needs_gpu for v in self.variants)
+
+    def sender_class(self) -> type:
+        module, _, name = self.sender.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+class _Lazy(collections.abc.Mapping):
+    """A read-only mapping filled from the registry on first use, so that importing
+    this package loads no third-party backend."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build = build
+
+    def _data(self) -> dict:
+        from harness.transfer import registry
+
+        return self._build(registry)
+
+    def __getitem__(self, key):
+        return self._data()[key]
+
+    def __iter__(self):
+        return iter(self._data())
+
+    def __len__(self) -> int:
+        return len(self._data())
+
+    def __repr__(self) -> str:
+        return repr(self._data())
+
+
+# Every variant of every registered backend, by id; and the words the harness commands
+# take for a variant besides its id (an engine's name alone means its shorthand variant).
+VARIANTS: collections.abc.Mapping[str, BackendVariant] = _Lazy(
+    lambda r: {v.id: v for b in r.backends().values() for v in b.variants})
+SHORTHANDS: collections.abc.Mapping[str, str] = _Lazy(
+    lambda r: {b.engine: b.shorthand for b in r.backends().values()
+               if b.shorthand and b.shorthand != b.engine})
 
 
 def variant(name: str) -> BackendVariant:
@@ -52,6 +122,13 @@ def variant(name: str) -> BackendVariant:
         return VARIANTS[name]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+def backend(engine: str) -> Backend:
+    """The registered backend of ``engine``; ValueError naming the known ones."""
+    from harness.transfer import registry
+
+    return registry.backend(engine)
 
 
 @dataclasses.dataclass
@@ -73,7 +150,7 @@ class SendResult:
 
 def sender_class(engine: str):
     """The trainer-side ``Sender`` for ``engine`` (imported in the trainer process only)."""
-    return importlib.import_module(f"harness.transfer.{engine}").Sender
+    return backend(engine).sender_class()
 
 
 def cuda_device(options: dict, error: type[Exception], why: str):

@@ -18,7 +18,7 @@ import harness
 from harness import known_issues as ki
 from harness.pytest import report
 import harness.vllm
-from harness.vllm import capabilities
+from harness.transfer import capabilities
 
 INNER_TESTS = """
 import pytest

@@ -62,6 +62,7 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
+from harness import transfer
 from harness.commands.repro.literal import literal as data_literal
 
 HARNESS = Path(__file__).resolve().parents[2]
@@ -332,12 +333,10 @@ def portable_modules(scenario: dict[str, Any]) -> list[str]:
     """The modules of harness/portable the scenario's script holds, in the order the
     script shows them: the engine's send code first, what it calls from vLLM next, the
     model recipes and what every module shares last."""
-    engine = scenario["engine"]
-    mods = [f"send_{engine}"]
-    if engine in ("nccl", "ipc"):
-        mods.append("trainer_api")
-    if engine == "shm":
-        mods.append("bucketing")
+    script = transfer.backend(scenario["engine"]).script
+    if script is None:
+        raise EmitError(f"backend {scenario['engine']!r} has no repro script sender")
+    mods = list(script.modules)
     if scenario.get("corrupt"):
         mods.append("corrupt")
     if scenario["model"]["source"] in ("zoo", "smollm2-gguf"):
