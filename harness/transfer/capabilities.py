@@ -42,7 +42,7 @@ def backend_capabilities(probe_vllm: bool = True, why: str = "probes disabled"
                                                for e in own}}
 
     def _probe():
-        return registry.probe(isolated=True)
+        return vllm_api.probe(registry.vllm_engines(), isolated=True)
 
     def _importable(engine):
         return vllm_api.backend_importable(own[engine].vllm_api.module)

@@ -86,7 +86,8 @@ class Sender:
         geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
                     if options.get("packed_buffer_size_bytes") else {})
         self.vllm = (None if self.path == "raw" else
-                     IpcSender(self.rc, packed=packed, api=self.path, geometry=geometry))
+                     IpcSender(self.rc, engine=ENGINE, packed=packed, api=self.path,
+                               geometry=geometry))
 
     def init(self) -> None:
         if self.vllm is not None:

@@ -156,7 +156,7 @@ class Sender:
         world_size = self.forced_world_size or int(self.client.world_size()) + 1
         # raw drives the routes as the static path does, around a group and broadcast of its own
         sender = _RawSender if self.path == "raw" else NcclSender
-        self.vllm = sender(self.client, packed=self.packed,
+        self.vllm = sender(self.client, engine=ENGINE, packed=self.packed,
                            api="static" if self.path == "raw" else self.path,
                            device=self.device, world_size=world_size, timeout=self.timeout,
                            master_port=self.master_port)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 
-from harness.transfer import Backend
+from harness.transfer.backend import Backend
 
 GROUP = "weight_sync_harness.backends"
 # The commands' default: the reference engine, which runs wherever vLLM runs.
@@ -77,6 +77,15 @@ def backend(engine: str) -> Backend:
 def vllm_engines() -> dict:
     """The engines vLLM itself implements, as ``harness.vllm.api`` probes them."""
     return {name: b.vllm_api for name, b in backends().items() if b.vllm_api is not None}
+
+
+def trainer_code_path(engine: str, caps: dict) -> tuple[str | None, str]:
+    """``harness.vllm.api.trainer_code_path`` for ``engine``'s backend."""
+    from harness.vllm import api as vllm_api
+
+    b = backend(engine)
+    init_info = b.vllm_api.init_info if b.vllm_api is not None else b.trainer_init_info
+    return vllm_api.trainer_code_path(engine, b.vllm_api, caps, init_info)
 
 
 def probe(isolated: bool = False) -> dict:

@@ -96,6 +96,7 @@ BACKEND = Backend(
     layouts=("cpu", "1gpu-colocated", "2gpu-split", "3gpu-tp2", "cpu-tp2", "cpu-dp2",
              "cpu-pp2", "2gpu-dp2", "2gpu-pp2"),
     vllm_plugin="harness.transfer.shm",
+    trainer_init_info="ShmTrainerInitInfo",
     user_init_info=user_init_info,
     script=ScriptSender(("send_shm", "bucketing"), engine_file=True),
     raw_limit="host",

@@ -190,9 +190,7 @@ class SeedTrainer:
                 raise Unavailable(f"vLLM's trainer code cannot run shm here: "
                                   f"{self.registration}")
         self.caps = registry.probe()
-        self.path, self.what = vllm_api.trainer_code_path(
-            engine, self.api, self.caps,
-            self.api.init_info if self.api is not None else "ShmTrainerInitInfo")
+        self.path, self.what = registry.trainer_code_path(engine, self.caps)
         if self.path is None:
             raise Unavailable(self.what)
         if backend.needs_gpu:

@@ -688,7 +688,7 @@ def test_calls_in_flight_end_together_or_are_left_behind(monkeypatch, emitted):
     monkeypatch.setattr(script, "GRACE_S", 0.2)
 
     def in_flight(timeout, *calls):  # the script's sender's steps, with this deadline
-        return script.NcclSender(None, packed=False, api="static", device="cpu", world_size=2,
+        return script.NcclSender(None, engine="nccl", packed=False, api="static", device="cpu", world_size=2,
                                  timeout=timeout).steps(*calls)
 
     assert in_flight(5, ("a", lambda: 1), ("b", lambda: 2)) == [1, 2]
