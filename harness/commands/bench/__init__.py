@@ -17,7 +17,7 @@ each between ``/pause`` and ``/resume``. Measured per sync:
   the trainer's (``torch.cuda.max_memory_allocated`` in its process).
 
 In the same run, the raw limit of each data path at the same byte counts
-(``harness.commands.bench.rawlimit``): a host memory copy (shm), a device-to-device copy on the
+(``harness.transfer.rawlimit``): a host memory copy (shm), a device-to-device copy on the
 server's GPU (IPC), an NCCL broadcast between the trainer's and the server's GPUs
 (NCCL). Each sync's GB/s is divided by its path's limit.
 
