@@ -26,6 +26,7 @@ import pytest
 from harness import models
 from harness.commands import cli
 from harness.commands import repro
+from harness.commands.repro import assembly as repro_assembly
 from harness.commands.repro import emit as repro_emit
 from harness.commands.repro import script
 from harness.portable import corrupt
@@ -213,7 +214,7 @@ def test_a_script_emitted_after_a_run_states_what_was_observed(tmp_path, monkeyp
 
 def test_the_template_imports_and_holds_no_scenario(capsys):
     assert script.SCENARIO is None
-    assert repro_emit.read_scenario(repro_emit.TEMPLATE.read_text()) is None
+    assert repro_emit.read_scenario(repro_assembly.TEMPLATE.read_text()) is None
     assert script.main([]) == 2
     assert "this is the template and holds no scenario" in capsys.readouterr().err
 
@@ -251,7 +252,7 @@ def test_an_emitted_script_imports_nothing_of_the_harness(name, tmp_path):
 def test_the_template_takes_its_code_from_the_portable_core_only():
     """The template's harness imports are the portable modules, which import nothing
     else of the harness (tests/unit/test_layers.py holds every floor to that)."""
-    harness_imports = {m for m in _imports(ast.parse(repro_emit.TEMPLATE.read_text()))
+    harness_imports = {m for m in _imports(ast.parse(repro_assembly.TEMPLATE.read_text()))
                        if m.split(".")[0] == "harness"}
     assert harness_imports and all(m.startswith("harness.portable.") for m in harness_imports)
     for f in sorted(repro_emit.PORTABLE.glob("*.py")):
@@ -293,7 +294,7 @@ def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_p
     assert "register_shm_engine" not in text and "[region" not in text
     lines = len(text.splitlines())
     assert lines <= LINES_NOW, f"{name}: {lines} lines"
-    template = len(repro_emit.TEMPLATE.read_text().splitlines()) + sum(
+    template = len(repro_assembly.TEMPLATE.read_text().splitlines()) + sum(
         len(f.read_text().splitlines()) for f in repro_emit.PORTABLE.glob("*.py"))
     assert lines < template - 200  # what the other engines need is not there
 
@@ -374,7 +375,7 @@ def _pyflakes(path: Path) -> list[str]:
 
 
 def test_the_template_and_the_portable_core_pass_pyflakes():
-    for f in [repro_emit.TEMPLATE, *sorted(repro_emit.PORTABLE.glob("*.py"))]:
+    for f in [repro_assembly.TEMPLATE, *sorted(repro_emit.PORTABLE.glob("*.py"))]:
         assert _pyflakes(f) == [], f.name
 
 
@@ -395,7 +396,7 @@ def test_script_and_engine_are_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["harness"]
     pkg = ROOT / "harness"
-    for f in (repro_emit.TEMPLATE, repro_emit.SHM_ENGINE, *repro_emit.PORTABLE.glob("*.py")):
+    for f in (repro_assembly.TEMPLATE, repro_emit.SHM_ENGINE, *repro_emit.PORTABLE.glob("*.py")):
         rel = f.relative_to(pkg)
         assert any(rel.match(p) for p in patterns), f"{rel} not in package-data {patterns}"
 
