@@ -19,9 +19,7 @@ class IpcSender:
 
     def __init__(self, client: Any, *, engine: str, packed: bool, api: str,
                  geometry: dict | None = None):
-        # engine: the server's name for vLLM's CUDA IPC engine, which names its module
-        self.engine_name = engine
-        self.client, self.packed, self.api = client, packed, api
+        self.engine_name, self.client, self.packed, self.api = engine, client, packed, api
         self.geometry = dict(geometry or {})
         self.engine: Any = None  # the factory's trainer engine, kept across updates
 

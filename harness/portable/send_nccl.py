@@ -27,12 +27,10 @@ class NcclSender:
 
     def __init__(self, client: Any, *, engine: str, packed: bool, api: str, device: Any,
                  world_size: int, timeout: float, master_port: int | None = None):
-        # engine: the server's name for vLLM's NCCL engine, which names its modules
-        self.engine_name = engine
-        self.client, self.packed, self.api, self.device = client, packed, api, str(device)
+        self.engine_name, self.client, self.packed = engine, client, packed  # engine: vLLM's name
+        self.api, self.device, self.timeout = api, str(device), timeout
         self.rendezvous = {"master_address": "127.0.0.1", "world_size": world_size,
                            "master_port": master_port or free_port()}
-        self.timeout = timeout
 
     def init(self) -> None:
         r = self.rendezvous
@@ -79,9 +77,8 @@ class NcclSender:
             (f"NCCL rendezvous at {r['master_address']}:{r['master_port']}", self.open_group))
 
     def _send_static(self, weights: list) -> str:
-        fields = self.fields if self.fields is not None else [  # 0.26: packed in each update
-            f.name for f in dataclasses.fields(
-                engine_module(self.engine_name).NCCLWeightTransferUpdateInfo)]
+        fields = self.fields if self.fields is not None else [f.name for f in dataclasses.fields(
+            engine_module(self.engine_name).NCCLWeightTransferUpdateInfo)]  # 0.26: packed in each
         if self.packed and "packed" not in fields:
             raise Unusable(f"NCCLWeightTransferUpdateInfo has no 'packed' field here: {fields}")
         update = {k: v for k, v in dict(self.geometry, packed=self.packed).items() if k in fields}

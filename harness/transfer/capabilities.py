@@ -31,7 +31,7 @@ def backend_capabilities(probe_vllm: bool = True, why: str = "probes disabled"
         if b.vllm_api is not None:
             continue
         # an engine of a plugin: registered with vLLM through its vllm.general_plugins entry point
-        eps = [ep for ep in plugins if b.vllm_plugin and ep.value.startswith(b.vllm_plugin)]
+        eps = [ep for ep in plugins if b.vllm_plugin and ep.module == b.vllm_plugin]
         backends[name] = {"loadable": bool(eps),
                           "reason": (f"vllm.general_plugins entry point {eps[0].name} = "
                                      f"{eps[0].value}") if eps else

@@ -61,7 +61,9 @@ def backends() -> dict[str, Backend]:
             raise BackendRegistryError(f"{where}: variant ids must be new and name engine "
                                        f"{obj.engine!r} (taken: {', '.join(sorted(clash))})")
         found[obj.engine] = (obj, where)
-    return {name: b for name, (b, _) in found.items()}
+    # the commands' default first (it runs anywhere), then as found
+    order = sorted(found, key=lambda name: name != DEFAULT_ENGINE)
+    return {name: found[name][0] for name in order}
 
 
 def backend(engine: str) -> Backend:

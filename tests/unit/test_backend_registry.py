@@ -151,5 +151,5 @@ def test_a_bad_entry_point_is_one_line_naming_it(monkeypatch, fresh_registry, ob
 
 def test_an_unknown_engine_names_the_registered_ones():
     with pytest.raises(ValueError, match="unknown weight-transfer engine 'pigeon'; registered: "
-                                         "nccl, ipc, shm"):
+                                         "shm, nccl, ipc"):
         registry.backend("pigeon")

@@ -827,7 +827,7 @@ def _harness_nccl_sender(monkeypatch, client, packed: bool, api: str):
     from harness.transfer import nccl
 
     caps = {"nccl_update_info_fields": [f.name for f in dataclasses.fields(_NcclUpdateInfo026)]}
-    monkeypatch.setattr(nccl.vllm_api, "sender_path", lambda engine, error: (caps, api))
+    monkeypatch.setattr(nccl.vllm_api, "sender_path", lambda engine, engines, error: (caps, api))
     monkeypatch.setattr(nccl, "cuda_device", lambda options, error, why: torch.device("cpu"))
     return nccl.Sender(client, packed=packed, options={"step_timeout_s": 30})
 
@@ -845,7 +845,7 @@ def _nccl_sync_both(monkeypatch, script, api: str, packed: bool, weights) -> tup
             sender.send(weights)
             sender.close()
         else:
-            script.send_nccl(client, _weights(), {"trainer_device": "cpu", "packed": packed,
+            script.send_nccl(client, _weights(), {"engine": "nccl", "trainer_device": "cpu", "packed": packed,
                                                   "trainer_api": api}, 30)
         got.append((client.calls, {k: seen[k] for k in ("broadcast", "args", "init")}))
         seen.update(broadcast=[], args=[], init=[])
@@ -906,7 +906,7 @@ def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
     seen = _fake_nccl_vllm(monkeypatch, "static")
     seen["client"] = client = _NcclServer()
     script.check_trainer_api("nccl", "static")
-    api = script.send_nccl(client, _weights(), {"trainer_device": "cpu", "packed": True,
+    api = script.send_nccl(client, _weights(), {"engine": "nccl", "trainer_device": "cpu", "packed": True,
                                                 "trainer_api": "static"}, 30)
     assert "nccl_common.trainer_init + NCCLWeightTransferEngine.trainer_send_weights" in api
     assert seen["init"] == [{"master_address": "127.0.0.1", "world_size": 2}]
@@ -926,7 +926,7 @@ def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
     seen = _fake_ipc_vllm(monkeypatch, "static")
     client = _IpcReadingClient()
     script.check_trainer_api("ipc", "static")
-    script.send_ipc(client, _weights(), {"packed": True, "trainer_api": "static"}, 30)
+    script.send_ipc(client, _weights(), {"engine": "ipc", "packed": True, "trainer_api": "static"}, 30)
     assert seen["args"] == [{"packed": True}]
     assert [c for c, _ in client.calls] == ["init", "start"] + ["update"] * 4 + ["finish"]
     assert client.calls[0][1] == {}
@@ -940,7 +940,7 @@ def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
     seen["client"] = client = _NcclServer()
     script.check_trainer_api("nccl", "factory")
     weights, _ = script.corrupt_weights(_weights(), "drop")
-    script.send_nccl(client, weights, {"trainer_device": "cpu", "packed": False,
+    script.send_nccl(client, weights, {"engine": "nccl", "trainer_device": "cpu", "packed": False,
                                        "trainer_api": "factory"}, 30)
     assert client.calls[2][1]["names"] == [n for n, _ in weights] != \
         [n for n, _ in _weights()]
@@ -1064,7 +1064,7 @@ def _harness_ipc_sender(monkeypatch, client, packed: bool, api: str):
 
     from harness.transfer import ipc
 
-    monkeypatch.setattr(ipc.vllm_api, "sender_path", lambda engine, error: ({}, api))
+    monkeypatch.setattr(ipc.vllm_api, "sender_path", lambda engine, engines, error: ({}, api))
     monkeypatch.setattr(ipc, "cuda_device", lambda options, error, why: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     return ipc.Sender(client, packed=packed, options={})
@@ -1087,7 +1087,7 @@ def test_the_harness_and_an_emitted_script_send_the_same_ipc_updates(api, packed
     sender.close()
     harness_args = seen["args"]
     seen["args"] = []
-    script.send_ipc(theirs, _mixed_weights(), {"packed": packed, "trainer_api": api}, 60)
+    script.send_ipc(theirs, _mixed_weights(), {"engine": "ipc", "packed": packed, "trainer_api": api}, 60)
     assert ours.calls == theirs.calls and harness_args == seen["args"]
     assert [c for c, _ in ours.calls] == ["init", "start"] + ["update"] * (2 if packed else 1) \
         + ["finish"]
@@ -1114,7 +1114,7 @@ def test_an_ipc_sender_that_differs_from_the_script_is_caught(monkeypatch, emitt
     sender = _harness_ipc_sender(monkeypatch, ours, False, "static")
     sender.init()
     sender.send(_mixed_weights())
-    script.send_ipc(theirs, _mixed_weights(), {"packed": False, "trainer_api": "static"}, 60)
+    script.send_ipc(theirs, _mixed_weights(), {"engine": "ipc", "packed": False, "trainer_api": "static"}, 60)
     assert ours.calls != theirs.calls
     assert ours.calls[2][1]["names"] == theirs.calls[2][1]["names"][:-1]
 

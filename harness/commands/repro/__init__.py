@@ -182,11 +182,11 @@ class Scenario:
     def _trainer_api(self, args: argparse.Namespace) -> str | None:
         """The trainer API the emitted script holds: --trainer-api, else the installed
         vLLM's (asked only when a script is to be written); None for shm."""
+        from harness import transfer
         from harness.commands.repro import emit as repro_emit
 
-        from harness import transfer
-
-        if transfer.backend(self.variant.engine).vllm_api is None:
+        engine = self.variant.engine
+        if transfer.backend(engine).vllm_api is None:
             if args.trainer_api is not None:
                 raise UsageError(f"--trainer-api is for nccl and ipc; {self.variant.id} "
                                  "takes no vLLM trainer API")
