@@ -91,7 +91,7 @@ def test_one_process_and_one_init_for_many_syncs(routes, model, tmp_path):
 
 def test_a_failed_sync_closes_the_group_and_the_next_opens_a_new_one(routes, model, tmp_path):
     """shm (as IPC): the trainer survives its failed sync and the next sync opens a new
-    group in the same process; an NCCL trainer would be ended (RECOVERS_IN_PLACE)."""
+    group in the same process; an NCCL trainer would be ended (Backend.recovers_in_place)."""
     t = Trainer(_spec(routes), log_dir=tmp_path)
     try:
         t.sync(model, timeout=120)

@@ -188,7 +188,10 @@ def _capabilities(runs: list[tuple[str, Report]]) -> list[list[str]]:
                                    .get("parity_from") or "-") for _, r in runs])
     rows.append(["/pause modes"] + [",".join(((r.get("capabilities") or {}).get("pause") or {})
                                              .get("modes") or []) or "-" for _, r in runs])
-    for engine in ("nccl", "ipc"):
+    engines = sorted({key.removesuffix("_path") for _, r in runs
+                      for key in ((r.get("capabilities") or {}).get("trainer_api") or {})
+                      if key.endswith("_path")})
+    for engine in engines:
         rows.append([f"trainer API ({engine})"] + [
             trainer_api_cell((r.get("capabilities") or {}).get("trainer_api") or {}, engine)
             for _, r in runs])

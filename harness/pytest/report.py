@@ -69,13 +69,13 @@ from harness.pause.openapi import pause_capabilities  # the pause checks' own pa
 from harness.pytest.records import TestRecorder, summarize, trainer_starts
 from harness.run.parallel import MergedPool, gather_records
 from harness.run.pool import start_seconds_by_mode
-from harness.vllm import capabilities
+from harness.transfer import capabilities
 
 PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
 # Run by harness.vllm.probe_cache.answer in a process of its own (see
-# harness.vllm.capabilities); a test swaps in a stand-in.
-PROBE_CHILD = "from harness.vllm.capabilities import child_main; child_main()"
+# harness.transfer.capabilities); a test swaps in a stand-in.
+PROBE_CHILD = "from harness.transfer.capabilities import child_main; child_main()"
 
 # Routes the harness's client calls (harness/vllm/client.py); losing one of these between
 # two vLLM versions is a regression ``harness diff`` reports.

@@ -43,6 +43,7 @@ import unittest
 from pathlib import Path
 from typing import Any, Callable
 
+from harness import transfer
 from harness.portable import corrupt as _portable_corrupt
 from harness.trainer.spares import SCRATCH_ENV, Spare, TrainerProcesses, kill_session, spawn_child
 
@@ -81,10 +82,14 @@ VLLM_CODE_OPTIONS = ("device", "packed_buffer_size_bytes", "packed_num_buffers",
 # The options a trainer of your own takes (harness.trainer.user): the child's; the
 # harness path's (holds, delays, workarounds) it cannot honour, so a test asking is skipped.
 USER_CODE_OPTIONS = ("device", "recover_in_place")
-# Engines whose trainer survives a failed sync: it closes its group and opens a new one
-# with the next sync (see trainer_child._child_main); an NCCL trainer is ended instead,
-# and so is any trainer whose options say {"recover_in_place": False}.
-RECOVERS_IN_PLACE = ("ipc", "shm")
+
+
+def recovers_in_place(engine: str) -> bool:
+    """Does a trainer of ``engine`` survive a failed sync? It closes its group and opens
+    a new one with the next sync (see child._child_main) where its backend says so
+    (``Backend.recovers_in_place``); other trainers are ended instead, and so is any
+    trainer whose options say {"recover_in_place": False}."""
+    return transfer.backend(engine).recovers_in_place
 
 
 class TrainerError(RuntimeError):
@@ -104,7 +109,7 @@ class TrainerSpec:
     (and per set of init options)."""
 
     url: str
-    engine: str                      # shm | nccl | ipc
+    engine: str                      # the weight-transfer engine (harness.transfer)
     packed: bool
     dtype: str = "float32"
     device: str = "cpu"
@@ -315,7 +320,7 @@ class Trainer:
         on; the run's ``ExitingTrainers`` reaps it, and kills it if it outlives its grace.
         Only for an engine whose group is the trainer's own (IPC handles, shm buckets); an NCCL
         trainer, whose group spans the server, is closed and waited for."""
-        if (self.spec.engine not in RECOVERS_IN_PLACE or not self.alive()
+        if (not recovers_in_place(self.spec.engine) or not self.alive()
                 or self.processes is None):
             self.close()
             return

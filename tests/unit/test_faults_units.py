@@ -150,11 +150,17 @@ def test_a_trainer_gets_the_key_in_its_environment_and_loses_its_scratch_when_ki
 
 def test_insecure_serialization_only_for_the_backend_that_needs_it(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # from the caller: dropped
+    from harness import transfer
+
+    def config(engine):  # as harness.run.cases builds it, from the engine's backend
+        return ServerConfig(model="/m", backend=engine, insecure_serialization=transfer.backend(
+            engine).insecure_serialization)
+
     for backend in ("shm", "nccl"):
-        cfg = ServerConfig(model="/m", backend=backend)
+        cfg = config(backend)
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in build_env(cfg)
         assert "INSECURE" not in cfg.describe()
-    ipc = ServerConfig(model="/m", backend="ipc")
+    ipc = config("ipc")
     assert build_env(ipc)["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     assert "INSECURE-SERIALIZATION" in ipc.describe()
     argv = build_command(ipc, 8000)
