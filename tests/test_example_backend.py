@@ -31,8 +31,6 @@ import harness
 
 REPO = Path(harness.__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "file_backend"
-ENTRY_POINTS = ("[vllm.general_plugins]\nfile_backend = file_backend:register\n\n"
-                "[weight_sync_harness.backends]\nfile = file_backend.backend:BACKEND\n")
 # The seed flow and parity tests, and the pause test that updates the weights (the
 # other pause tests do not touch the data plane, and take minutes on a CPU server).
 TESTS = ("tests/test_sync.py", "tests/test_parity.py",
@@ -42,6 +40,18 @@ SESSION_LIMIT = 1500.0  # one child run: its server's start (1-4 min on 2 cores)
 STOPPED_WITHIN = 60.0
 
 
+def entry_points_txt() -> str:
+    """The entry points the example's pyproject.toml declares, as a dist-info lists them."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    groups = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert set(groups) == {"vllm.general_plugins", "weight_sync_harness.backends"}, groups
+    return "".join(f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items())
+                   + "\n" for group, eps in groups.items())
+
+
 def registered_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The environment of a child run in which the example is registered: what
     ``pip install -e examples/file_backend`` would do, as a directory on the PYTHONPATH."""
@@ -49,7 +59,7 @@ def registered_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: file-backend-example\n"
                                    "Version: 0\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    (info / "entry_points.txt").write_text(entry_points_txt())
     # not the run's own settings (HARNESS_*, PYTEST_*: an xdist worker's among them)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(info.parent), str(EXAMPLE),
