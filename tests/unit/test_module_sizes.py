@@ -13,26 +13,16 @@ PLUGIN = HARNESS / "pytest" / "plugin.py"
 PLUGIN_MAX = 400
 MODULE_MAX = 500
 
-# Modules over the bound that are being split elsewhere; empty this set as each lands.
-OVER_THE_BOUND = {
-    "harness/trainer/child.py",
-    "harness/commands/repro/emit.py",
-    "harness/pytest/report.py",
-    "harness/known_issues/__init__.py",
-}
-
-
 def lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
-def too_long(root: Path = HARNESS, bound: int = MODULE_MAX,
-             excepted: set[str] = OVER_THE_BOUND) -> dict[str, int]:
-    """Every module under ``root`` longer than ``bound`` lines, but those excepted."""
+def too_long(root: Path = HARNESS, bound: int = MODULE_MAX) -> dict[str, int]:
+    """Every module under ``root`` longer than ``bound`` lines."""
     out = {}
     for path in sorted(root.rglob("*.py")):
         name = path.relative_to(ROOT).as_posix()
-        if name not in excepted and lines(path) > bound:
+        if lines(path) > bound:
             out[name] = lines(path)
     return out
 
@@ -45,9 +35,3 @@ def test_the_plugin_is_at_most_400_lines():
 
 def test_every_harness_module_is_at_most_500_lines():
     assert too_long() == {}, "split these by concept (docs/layout.md)"
-
-
-def test_the_exceptions_are_still_over_the_bound():
-    """An excepted module that has come under the bound leaves the set, so that it is
-    held to the bound from then on."""
-    assert {n for n in OVER_THE_BOUND if lines(ROOT / n) <= MODULE_MAX} == set()
