@@ -29,7 +29,7 @@ import pytest
 
 from harness.oracles import checksums
 from harness.oracles import parity
-from harness.run.pool import State
+from harness.run.server_weights import State
 
 pytestmark = pytest.mark.parity
 
@@ -239,7 +239,7 @@ def test_a_failed_or_abandoned_update_does_not_publish_a_version(session):
     before = c.weight_info()
     seen = {}
     body = {"weight_version": f"failed-{uuid.uuid4().hex[:8]}"}
-    session.pool.set_holding(session.server_cfg, State.INCOMPLETE, None)
+    session.pool.record_weights(session.server_cfg, State.INCOMPLETE, None)
     try:
         c.start_weight_update()
         seen["abandoned_open"] = c.weight_info()
@@ -283,7 +283,7 @@ def test_reset_gives_weights_that_are_not_the_reference(session):
     ref = session.reference()
     c = session.client
     synced = c.weight_checksums()
-    session.pool.set_holding(session.server_cfg, State.CORRUPTED, None)
+    session.pool.record_weights(session.server_cfg, State.CORRUPTED, None)
     t0 = time.monotonic()
     c.reset_weights()
     reset_s = time.monotonic() - t0

@@ -30,7 +30,7 @@ import pytest
 
 from harness.core.facts import free_port, wait_until
 from harness.oracles import parity
-from harness.run.pool import State
+from harness.run.server_weights import State
 from harness.testing import faults
 from harness.trainer.handle import TrainerError
 from harness.vllm import client

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from harness import transfer
+from harness.transfer import registry
 from harness.vllm import api as vllm_api
 
 pytest.importorskip("vllm")
@@ -23,7 +25,7 @@ PROBE_BOOLS = [
 
 
 def test_probe_reports_every_capability():
-    caps = vllm_api.probe()
+    caps = registry.probe()
     for key in PROBE_BOOLS:
         assert isinstance(caps[key], bool), key
     assert isinstance(caps["trainer_factory_backends"], list)
@@ -32,11 +34,11 @@ def test_probe_reports_every_capability():
     assert caps["vllm_version"]
     assert caps["errors"] == {}, caps["errors"]
     caps["errors"]["x"] = "y"  # callers get a copy, not the cached dict
-    assert vllm_api.probe()["errors"] == {}
+    assert registry.probe()["errors"] == {}
 
 
 def test_probe_on_vllm_032_picks_the_trainer_factory():
-    caps = vllm_api.probe()
+    caps = registry.probe()
     if not caps["vllm_version"].startswith("0.32."):
         pytest.skip(f"installed vLLM is {caps['vllm_version']}")
     assert caps["NCCLTrainerInitInfo"] and caps["IPCTrainerInitInfo"]
@@ -58,12 +60,12 @@ def test_importing_the_harness_modules_loads_no_torch_or_vllm():
 
 
 def test_isolated_probe_matches_in_process_probe():
-    assert vllm_api.probe(isolated=True) == vllm_api.probe()
+    assert registry.probe(isolated=True) == registry.probe()
 
 
 def test_backend_importable_on_installed_vllm():
     for engine in ("nccl", "ipc"):
-        ok, why = vllm_api.backend_importable(engine)
+        ok, why = vllm_api.backend_importable(transfer.backend(engine).vllm_api.module)
         assert ok, why
 
 
@@ -74,8 +76,7 @@ def test_backend_importable_names_the_cause(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "fake_ipc_engine.py").write_text("import os\nimport no_such_module_for_harness\n")
     monkeypatch.setenv("PYTHONPATH", str(pkg))
-    monkeypatch.setitem(vllm_api.ENGINE_MODULES, "ipc", "fake_ipc_engine")
-    ok, why = vllm_api.backend_importable("ipc")
+    ok, why = vllm_api.backend_importable("fake_ipc_engine")
     assert not ok
     assert why.startswith("ModuleNotFoundError: No module named 'no_such_module_for_harness' (")
     assert "fake_ipc_engine.py raises it at module level: line 2, " \

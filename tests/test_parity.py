@@ -39,6 +39,7 @@ DTYPES = ("float32", "bfloat16")
 REPEAT_SEEDS = (101, 102, 103)
 PREFIX_SEEDS = {True: 201, False: 202}
 SELFTEST_SEED = 301
+TWIN_JUDGE_SEED = 302
 
 # Longer than two CPU KV blocks (vLLM's CPU block size is 128 tokens; 16 on GPU): the
 # prefix cache only keeps full blocks, so a short prompt can never be served from it.
@@ -192,6 +193,35 @@ def test_repeated_syncs_last_one_wins(session):
 AB_SEED = 111
 
 
+def parity_or_twin(s, weights, ref, report, what: str) -> dict | None:
+    """Hugging Face parity of a synced server (``report``: it against ``ref``, the
+    reference of ``weights``). Where that fails, a server that loaded ``weights`` from
+    disk judges the sync: identical to it, logprob for logprob and greedy token for
+    token, means the sync delivered exactly these weights, and what differs from Hugging
+    Face is vLLM's own computation of them (a bf16 mixture of experts routing a near-tie
+    to another expert, say). Then the step stands, and the numbers are returned (and
+    recorded); otherwise the parity failure is raised, with the twin's difference. None
+    where Hugging Face parity holds."""
+    try:
+        assert_parity(report, decode=s.decode, what=what)
+        return None
+    except AssertionError as failure:
+        hf_failure = str(failure)
+    _, twin_client = s.twin(weights)
+    twin_obs = s.observe(ref, twin_client)
+    vs_twin = parity.compare_servers(s.observe(ref), twin_obs, ref, names=("synced", "twin"),
+                                     decode=s.decode)
+    twin_vs_hf = parity.compare(twin_obs, ref, decode=s.decode)
+    judged = {"hf_parity": hf_failure.splitlines()[0][:300],
+              "twin_max_abs_diff": vs_twin.max_abs, "twin_greedy_divergence":
+              len(vs_twin.greedy_divergence), "twin_vs_hf_max_abs_dlogprob": twin_vs_hf.max_abs,
+              "twin_vs_hf_topk_max_abs_dlogprob": twin_vs_hf.topk_max_abs}
+    if vs_twin.nonfinite or vs_twin.max_abs != 0 or vs_twin.greedy_divergence:
+        raise AssertionError(f"{hf_failure}\n  and the server that loaded the same weights "
+                             f"from disk differs from the synced one: {vs_twin.summary()}")
+    return judged
+
+
 def a_then_b_then_a(s, a, b, **sync_kw) -> list[dict]:
     """Sync ``a``, then ``b``, then ``a`` again, through the server's one trainer. After
     each step the server must compute what that step's weights compute (every parity
@@ -199,7 +229,9 @@ def a_then_b_then_a(s, a, b, **sync_kw) -> list[dict]:
     ``/weight_checker``, B must change the per-tensor digests, and A again must give A's
     digests back, tensor for tensor. Catches an update that is applied once and then
     ignored, partly applied, or applied to stale buffers (post-load processing that is
-    not idempotent: fp8 scales, MoE layouts, Mamba buffers). Returns the steps as
+    not idempotent: fp8 scales, MoE layouts, Mamba buffers). A step whose Hugging Face
+    parity fails is judged by a disk-loaded twin of its weights (``parity_or_twin``).
+    Returns the steps as
     recorded (``steps``: each step's max |dlogprob| against its own reference and
     against the other's, greedy identical, digests changed). ``sync_kw`` goes to every
     sync (the shm engine's ``options``, say)."""
@@ -216,7 +248,10 @@ def a_then_b_then_a(s, a, b, **sync_kw) -> list[dict]:
         steps.append({"step": i, "weights": name, "max_abs_dlogprob": report.max_abs,
                       "greedy_identical": sum(report.greedy_identical)})
         s.record(steps=steps)
-        assert_parity(report, decode=s.decode, what=what)
+        judged = parity_or_twin(s, weights, refs[name], report, what)
+        if judged is not None:
+            steps[-1]["judged_by_twin"] = judged
+            s.record(steps=steps)
         stale = s.compare(refs[other])
         steps[-1]["other_max_abs_dlogprob"] = stale.max_abs
         s.record(steps=steps)
@@ -284,6 +319,27 @@ def test_prefix_cache_after_sync(session, request, clear_cache):
 
 
 # ----------------------------------------------------------------------------- 6: self-tests
+
+@pytest.mark.selftest
+@pytest.mark.models("llama")
+@pytest.mark.dtypes("float32")
+def test_the_twin_judges_a_failed_parity_by_the_weights_sent(session):
+    """``parity_or_twin`` both ways, on the server and its disk-loaded twin: a faithful
+    sync held against another model's reference fails Hugging Face parity and is cleared
+    by the twin, identical to it; a sync that dropped a tensor is not."""
+    s = session
+    other_ref = s.reference(s.perturbed(TWIN_JUDGE_SEED))
+    s.sync()
+    judged = parity_or_twin(s, s.model_path, other_ref, s.compare(other_ref),
+                            "a faithful sync against another model's reference")
+    assert judged is not None and judged["twin_max_abs_diff"] == 0, judged
+    s.record(judged_by_twin=judged)
+    s.sync(s.perturbed(SELFTEST_SEED))  # every tensor differs, so a dropped one is stale
+    s.sync(corrupt="drop")
+    ref = s.reference()
+    with pytest.raises(AssertionError, match="loaded the same weights from disk differs"):
+        parity_or_twin(s, s.model_path, ref, s.compare(ref), "a sync that dropped a tensor")
+
 
 @pytest.mark.selftest
 @pytest.mark.models("llama")

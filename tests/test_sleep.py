@@ -44,7 +44,7 @@ from harness.vllm import client
 from harness.oracles import parity
 from harness.oracles.parity import within_tolerance  # shared with the other test modules
 from harness.run.cases import PRESERVED_PARAMETERS
-from harness.run.pool import State
+from harness.run.server_weights import State
 
 # One IPC variant: sleep and wake act on the server's memory, whichever way the trainer
 # packs the update (shm for the CPU layout, where the cases say why they skip).
@@ -147,7 +147,7 @@ def test_sleep_level2_wake_weights_sync_wake_kv_cache(awake):
     s.client.sleep(level=2)
     assert s.client.is_sleeping()
     mem["asleep"] = gpu_mib(s)
-    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)  # unknown until the sync
+    s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)  # unknown until the sync
     s.client.wake_up(tags=["weights"])
     mem["weights_awake"] = gpu_mib(s)
     assert s.client.is_sleeping(), "/is_sleeping says false with the KV cache still asleep"
@@ -168,7 +168,7 @@ def test_a_level2_wake_without_resync_is_detected(awake):
     s.ensure_holds()
     ref = s.reference()
     s.client.sleep(level=2)
-    s.pool.set_holding(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
+    s.pool.record_weights(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
     s.client.wake_up()
     try:
         r = s.compare(ref)
@@ -215,7 +215,7 @@ def test_a_sync_while_asleep_is_refused_and_keeps_the_weights(awake):
     assert alive, (f"a sync while asleep ({said or 'it answered 200'}) left the server "
                    f"dead or not answering /health: {s.server_state()}")
     s.client.wake_up()
-    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)  # until the parity below
+    s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)  # until the parity below
     answer = f"answered {refusal.status}" if refusal else said or "answered 200"
     try:
         assert_parity(s, ref_old, f"after a sync while asleep ({answer}) and a wake: the "
@@ -508,7 +508,7 @@ def test_a_half_woken_server_holds_requests(awake, level):
     awake_ids = s.observe(ref)[0].greedy_ids  # the server's own greedy output, awake
     s.client.sleep(level=level)
     if level == 2:
-        s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
+        s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)
     s.client.wake_up(tags=["weights"])
     if level == 2:
         s.sync(new, pause=False)
@@ -620,7 +620,7 @@ def test_sleep_wake_with_cuda_graphs(awake):
     t2 = time.monotonic()
     golden_report(s, golden, ref, "graph mode, level 1 and a wake")
     s.client.sleep(level=2)
-    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
+    s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)
     s.client.wake_up(tags=["weights"])
     s.sync(s.model_path, pause=False)
     s.client.wake_up(tags=["kv_cache"])
@@ -646,7 +646,7 @@ def test_sleep_wake_at_tp2(awake):
     assert_freed(s, mem, 1)
     assert_parity(s, ref, "TP=2, level 1 and a wake")
     s.client.sleep(level=2)
-    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
+    s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)
     s.client.wake_up(tags=["weights"])
     s.sync(s.model_path, pause=False)
     s.client.wake_up(tags=["kv_cache"])
@@ -684,10 +684,10 @@ def level2_resync(s, weights, **sync_kw) -> dict:
     """The colocated RL step at level 2: sleep, wake the weights, push ``weights`` into
     them, wake the KV cache. The server holds an unknown mix until the caller's check."""
     s.client.sleep(level=2)
-    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)
+    s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)
     s.client.wake_up(tags=["weights"])
     result = s.sync(weights, pause=False, **sync_kw)
-    s.pool.set_holding(s.server_cfg, State.INCOMPLETE, None)  # until the check says so
+    s.pool.record_weights(s.server_cfg, State.INCOMPLETE, None)  # until the check says so
     s.client.wake_up(tags=["kv_cache"])
     assert not s.client.is_sleeping() and not s.client.is_paused()
     return result
@@ -717,7 +717,7 @@ def test_graph_pool_offload_sleep_wake_sync_parity_and_twin(awake):
                                       "replayed on the restored pool)")
     level2_resync(s, s.model_path)
     r = assert_parity(s, ref, "graph pool offloaded, level 2, wake, sync")
-    s.pool.set_holding(s.server_cfg, State.SYNCED, s.model_path)
+    s.pool.record_weights(s.server_cfg, State.SYNCED, s.model_path)
     s.record(**r.metrics())
     twin_bit_identical(s, ref, "graph pool offloaded, level 2, wake, sync, vs the twin")
 
@@ -732,7 +732,7 @@ def test_graph_pool_offload_twin_check_sees_a_scaled_tensor(awake):
     s = awake
     ref = s.reference()
     result = level2_resync(s, s.model_path, corrupt="scale")
-    s.pool.set_holding(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
+    s.pool.record_weights(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
     s.record(corruption=result.get("corruption"))
     try:
         twin_bit_identical(s, ref, "a scaled tensor after a level-2 sleep")
@@ -757,7 +757,7 @@ def test_preserved_parameters_survive_a_level2_sleep(awake):
     s.record(partial_update=result.get("corruption"), tensors_sent=result.get("tensors"))
     r = assert_parity(s, ref, "level 2 with the frozen part preserved, the trainable part "
                               f"resynced ({result.get('corruption')})")
-    s.pool.set_holding(s.server_cfg, State.SYNCED, str(weights))
+    s.pool.record_weights(s.server_cfg, State.SYNCED, str(weights))
     s.record(**r.metrics())
 
 
@@ -771,7 +771,7 @@ def test_without_preserved_names_a_partial_resync_after_level2_is_caught(awake):
     s.ensure_holds(weights)
     ref = s.reference(weights)
     result = level2_resync(s, weights, options={"exclude": PRESERVED_PARAMETERS})
-    s.pool.set_holding(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
+    s.pool.record_weights(s.server_cfg, State.CORRUPTED, None)  # repaired at teardown
     try:
         r = s.compare(ref)
     except parity.NonFiniteOutput as e:
@@ -808,7 +808,7 @@ def test_fp8_kv_scales_survive_a_level2_sleep(awake):
     assert after == before, (f"the KV scales changed across a level-2 sleep, wake and resync:"
                              f" before {before}, after {after}")
     golden_report(s, golden, ref, "fp8 KV cache, level 2, wake, resync")
-    s.pool.set_holding(s.server_cfg, State.SYNCED, s.model_path)
+    s.pool.record_weights(s.server_cfg, State.SYNCED, s.model_path)
 
 
 @pytest.mark.selftest

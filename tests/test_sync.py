@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from harness.oracles import parity
-from harness.run.pool import State
+from harness.run.server_weights import State
 
 
 @pytest.mark.smoke
@@ -39,7 +39,7 @@ def test_a_reset_brings_a_synced_server_back_to_gibberish(session):
     session.ensure_holds()
     parity.assert_greedy_equal(session.compare(ref))  # synced: the model's behaviour
     session.reset_weights()
-    assert session.pool.holding_of(session.server_cfg).fresh
+    assert session.pool.weights_of(session.server_cfg).fresh
     parity.assert_gibberish(session.compare(ref))
     session.ensure_holds()
 
@@ -57,7 +57,7 @@ def test_the_gibberish_check_fails_after_a_reset_that_changes_nothing(session, m
     session.reset_weights()
     with pytest.raises(AssertionError, match="already matches the reference"):
         parity.assert_gibberish(session.compare(ref))
-    session.pool.set_holding(session.server_cfg, State.SYNCED, session.model_path)
+    session.pool.record_weights(session.server_cfg, State.SYNCED, session.model_path)
 
 
 @pytest.mark.smoke

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from harness.oracles import parity
-from harness.run.pool import State
+from harness.run.server_weights import State
 
 EXAMPLE = "examples.shm_sender:ShmSender"
 DROP_ENV = "SHM_SENDER_DROP"
@@ -77,7 +77,7 @@ def test_the_example_broken_on_purpose_fails_the_parity_check(session):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(DROP_ENV, DROP_TARGET)
         broken = s.sync(fresh_trainer=True)  # a new trainer process, with the switch on
-    s.pool.set_holding(s.server_cfg, State.CORRUPTED, s.model_path)  # repaired afterwards
+    s.pool.record_weights(s.server_cfg, State.CORRUPTED, s.model_path)  # repaired afterwards
     assert broken["tensors"] == full["tensors"] - 1, (broken["tensors"], full["tensors"])
     assert DROP_TARGET in broken["corruption"], broken["corruption"]
     report = s.compare(ref)

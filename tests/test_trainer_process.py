@@ -91,7 +91,7 @@ def test_one_process_and_one_init_for_many_syncs(routes, model, tmp_path):
 
 def test_a_failed_sync_closes_the_group_and_the_next_opens_a_new_one(routes, model, tmp_path):
     """shm (as IPC): the trainer survives its failed sync and the next sync opens a new
-    group in the same process; an NCCL trainer would be ended (RECOVERS_IN_PLACE)."""
+    group in the same process; an NCCL trainer would be ended (Backend.recovers_in_place)."""
     t = Trainer(_spec(routes), log_dir=tmp_path)
     try:
         t.sync(model, timeout=120)
@@ -206,24 +206,24 @@ def test_closing_the_spares_twice_is_harmless(routes, model, tmp_path, monkeypat
 
 def test_a_retired_trainer_exits_by_itself_and_is_reaped(routes, model, tmp_path,
                                                         monkeypatch):
-    """``retire`` asks the child to exit and does not wait: the trainer lets go of the
-    process at once, ``RETIRING`` holds it, and the end of the run finds it exited by
+    """``close_in_background`` asks the child to exit and does not wait: the trainer lets go of the
+    process at once, ``EXITING`` holds it, and the end of the run finds it exited by
     itself (code 0, not killed) and removes its scratch directory. A fresh trainer's
     result says how it started and how long its caller waited for it to go."""
     run = TrainerProcesses()  # this test's trainers only
-    RETIRING = run.retiring
+    EXITING = run.exiting
     t = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
     first = t.sync(model, timeout=120)
     proc, scratch = t.proc, t.scratch
-    t.retire()
-    assert t.proc is None and len(RETIRING) == 1
-    RETIRING.drain()
-    assert proc.returncode == 0 and not scratch.exists() and len(RETIRING) == 0
+    t.close_in_background()
+    assert t.proc is None and len(EXITING) == 1
+    EXITING.drain()
+    assert proc.returncode == 0 and not scratch.exists() and len(EXITING) == 0
     assert first["spare"] is False and first["start_seconds"] >= 0
     assert first["cuda_init_seconds"] >= 0
     fresh = run_trainer(_spec(routes), model, timeout=120, log_dir=tmp_path, processes=run)
-    assert fresh["close_seconds"] >= 0 and len(RETIRING) == 1
-    RETIRING.drain()
+    assert fresh["close_seconds"] >= 0 and len(EXITING) == 1
+    EXITING.drain()
 
 
 def test_a_retired_trainer_that_will_not_exit_is_killed_after_its_grace(routes, model,
@@ -233,16 +233,16 @@ def test_a_retired_trainer_that_will_not_exit_is_killed_after_its_grace(routes, 
     import signal
 
     run = TrainerProcesses()
-    RETIRING = run.retiring
-    RETIRING.grace = 1.0
+    EXITING = run.exiting
+    EXITING.grace = 1.0
     t = Trainer(_spec(routes), log_dir=tmp_path, processes=run)
     t.sync(model, timeout=120)
     proc, scratch = t.proc, t.scratch
     proc.send_signal(signal.SIGSTOP)
-    t.retire()
-    RETIRING.poll()  # within its grace: kept
-    assert len(RETIRING) == 1 and proc.poll() is None
-    RETIRING.drain()
+    t.close_in_background()
+    EXITING.poll()  # within its grace: kept
+    assert len(EXITING) == 1 and proc.poll() is None
+    EXITING.drain()
     assert proc.returncode == -signal.SIGKILL and not scratch.exists()
 
 

@@ -60,14 +60,11 @@ def test_path_choice_per_generation():
                     "trainer_factory_backends": ["ipc"]}
     v032 = base | {"NCCLTrainerInitInfo": True, "IPCTrainerInitInfo": True,
                    "nccl_common.trainer_init": True, "trainer_factory_backends": ["ipc", "nccl"]}
-    no_ray = v026 | {"errors": {vllm_api.ENGINE_MODULES["ipc"]: "ModuleNotFoundError: ray"}}
+    no_ray = v026 | {"errors": {transfer.backend("ipc").vllm_api.module: "ModuleNotFoundError: ray"}}
 
     def paths(caps):
-        return (vllm_api._path(caps, "nccl", "NCCLTrainerInitInfo",
-                               ("nccl_common.trainer_init",
-                                "NCCLWeightTransferEngine.trainer_send_weights")),
-                vllm_api._path(caps, "ipc", "IPCTrainerInitInfo",
-                               ("IPCWeightTransferEngine.trainer_send_weights",)))
+        return (vllm_api._path(caps, "nccl", transfer.backend("nccl").vllm_api),
+                vllm_api._path(caps, "ipc", transfer.backend("ipc").vllm_api))
 
     assert paths(v026) == ("static", "static")
     assert paths(v0271) == ("static", "factory")
@@ -79,9 +76,9 @@ def test_path_choice_per_generation():
 # --------------------------------------------------------------------------- backend_importable
 
 
-def test_backend_importable_rejects_unknown_engine():
-    with pytest.raises(ValueError, match="unknown engine"):
-        vllm_api.backend_importable("carrier-pigeon")
+def test_backend_importable_names_a_missing_module():
+    ok, why = vllm_api.backend_importable("carrier_pigeon_engine", timeout=60)
+    assert not ok and "No module named 'carrier_pigeon_engine'" in why
 
 
 # --------------------------------------------------------------------------- WeightSource adapter
@@ -251,7 +248,7 @@ def _steps(timeout: float, watch):
     """The shared NCCL sender's ``steps`` on the CPU, watching the harness's client ``watch``."""
     from harness.portable.send_nccl import NcclSender
 
-    sender = NcclSender(watch, packed=False, api="static", device="cpu", world_size=2,
+    sender = NcclSender(watch, engine="nccl", packed=False, api="static", device="cpu", world_size=2,
                         timeout=timeout)
     sender.watch = watch
     return sender.steps
@@ -326,7 +323,7 @@ def test_nccl_update_info_follows_the_dataclass_fields():
             self.updates.append(info)
 
     def sent(packed, fields, geometry):
-        sender = NcclSender(Recorder(), packed=packed, api="static", device="cpu",
+        sender = NcclSender(Recorder(), engine="nccl", packed=packed, api="static", device="cpu",
                             world_size=2, timeout=5)
         sender.geometry = geometry
         sender.broadcaster = lambda weights: lambda: None
@@ -364,7 +361,7 @@ def test_nccl_counts_broadcasts_on_one_communicator():
 def test_senders_refuse_a_cpu_trainer(engine, monkeypatch):
     from harness.transfer import sender_class
 
-    monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
+    monkeypatch.setattr(vllm_api, "probe", lambda engines, isolated=False: {
         f"{engine}_path": "static", "errors": {}})
     rc_fake = FakeServerClient()
     with pytest.raises(RuntimeError, match="the trainer is on cpu"):
@@ -390,8 +387,8 @@ def test_senders_name_the_import_failure_of_vllms_engine(engine, error, monkeypa
 
     module = importlib.import_module(f"harness.transfer.{engine}")
     cause = "ModuleNotFoundError: No module named 'ray'"
-    monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
-        f"{engine}_path": "unimportable", "errors": {vllm_api.ENGINE_MODULES[engine]: cause}})
+    monkeypatch.setattr(vllm_api, "probe", lambda engines, isolated=False: {
+        f"{engine}_path": "unimportable", "errors": {transfer.backend(engine).vllm_api.module: cause}})
     rc_fake = FakeServerClient()
     with pytest.raises(getattr(module, error),
                        match=f"vLLM's {engine.upper()} engine module cannot be imported: {cause}"):
@@ -414,7 +411,7 @@ def test_nccl_group_spans_every_server_rank_with_the_trainer_at_rank_0(server_ra
     from harness.transfer import nccl
 
     opened = []
-    monkeypatch.setattr(vllm_api, "probe", lambda isolated=False: {
+    monkeypatch.setattr(vllm_api, "probe", lambda engines, isolated=False: {
         "nccl_path": "static", "errors": {}})
     monkeypatch.setattr(nccl, "cuda_device", lambda options, error, why: "cuda:2")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # each step's thread

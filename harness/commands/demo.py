@@ -19,12 +19,14 @@ from pathlib import Path
 from harness.commands import options as command_options
 from harness.oracles import parity
 from harness.run.cases import DEMO_MODEL
+from harness import transfer
 from harness.transfer import SHORTHANDS
+from harness.transfer.registry import DEFAULT_ENGINE
 
 
 # The options it shares with pytest, from the one table (harness.run.settings.OPTIONS).
 USES = (
-    command_options.Use("vllm_backend", default="shm", shorthands=SHORTHANDS,
+    command_options.Use("vllm_backend", default=DEFAULT_ENGINE, shorthands=SHORTHANDS,
                  why="nccl and ipc mean the packed variants"),
     command_options.Use("vllm_model", default=DEMO_MODEL,
                  why="real weights, so that the text after the sync reads as English; the "
@@ -281,7 +283,7 @@ TIED_NOTE = """\
 def _needs_tied_workaround(variant, layout, model_path: str) -> bool:
     import json
 
-    if variant.engine != "shm" or layout.server_gpus:
+    if "reprocess_tied" not in transfer.backend(variant.engine).workarounds or layout.server_gpus:
         return False
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())

@@ -12,11 +12,11 @@ run report, reports of both kinds without ``--kind``, or no tests folder.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from harness.core import reportfile
+from harness.core import report_schema
+from harness.core.report_schema import Report
 from harness.run import durations
 
 
@@ -24,14 +24,13 @@ class BadInput(Exception):
     pass
 
 
-def load(path: str) -> dict:
+def load(path: str) -> Report:
+    """The run report at ``path`` (``harness.core.report_schema.load``); BadInput names
+    the file and what is wrong with it."""
     try:
-        report = json.loads(reportfile.read_text(path))
-    except (OSError, ValueError) as e:
-        raise BadInput(f"cannot read {path}: {e}") from None
-    if not isinstance(report, dict) or "tests" not in report:
-        raise BadInput(f"{path}: not a run report (no tests)")
-    return report
+        return report_schema.load(path)
+    except report_schema.ReportError as e:
+        raise BadInput(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

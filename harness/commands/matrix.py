@@ -25,7 +25,8 @@ import json
 import re
 import sys
 
-from harness.core import reportfile
+from harness.core import report_schema
+from harness.core.report_schema import Report, ReportedTest
 from harness.core.facts import run_command
 
 WIDTH = 120
@@ -36,7 +37,7 @@ ROUTES = ("/weight_checker", "/weight_info", "/shutdown_weight_transfer_engine")
 
 
 class BadInput(Exception):
-    pass
+    """A file that is not a run report: exit code 2, the message on stderr."""
 
 
 def _version_key(v: str):
@@ -48,28 +49,27 @@ def _version_key(v: str):
         return (1, v)
 
 
-def release_of(report: dict) -> str:
+def release_of(report: Report) -> str:
     v = ((report.get("header") or {}).get("vllm") or {}).get("version") or "?"
     return v.split("+")[0]
 
 
-def load(paths: list[str]) -> list[tuple[str, dict]]:
-    """(release, report) pairs, oldest release first."""
+def load(paths: list[str]) -> list[tuple[str, Report]]:
+    """(release, report) pairs, oldest release first (``harness.core.report_schema.load``;
+    BadInput names a file that is not a run report and what is wrong)."""
     out = []
     for p in paths:
         try:
-            data = json.loads(reportfile.read_text(p))
-        except (OSError, ValueError) as e:
-            raise BadInput(f"{p}: cannot read a JSON report: {e}") from None
-        if not isinstance(data, dict) or "header" not in data or "tests" not in data:
-            raise BadInput(f"{p}: not a run report (no header/tests)")
+            data = report_schema.load(p)
+        except report_schema.ReportError as e:
+            raise BadInput(str(e)) from None
         out.append((release_of(data), data))
     return sorted(out, key=lambda x: _version_key(x[0]))
 
 
 # ----------------------------------------------------------------------------- cells
 
-def cell(t: dict) -> str:
+def cell(t: ReportedTest) -> str:
     o = t.get("outcome")
     if t.get("xpass_strict"):
         return "FIXED"
@@ -126,7 +126,8 @@ def _appears(outcome: str, applied: bool) -> str | None:
     return None
 
 
-def issue_rows(runs: list[tuple[str, dict]], tests_by_release: list[dict]) -> list[dict]:
+def issue_rows(runs: list[tuple[str, Report]],
+               tests_by_release: list[dict[str, ReportedTest]]) -> list[dict]:
     """Per known-issue entry (and per model, where an entry names models and they
     differ): per release yes/no/-, the first release where it appears, the last where
     it does not."""
@@ -177,7 +178,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
-def _capabilities(runs: list[tuple[str, dict]]) -> list[list[str]]:
+def _capabilities(runs: list[tuple[str, Report]]) -> list[list[str]]:
     rows = []
     for route in ROUTES:
         rows.append([f"route {route}"] + [
@@ -187,7 +188,10 @@ def _capabilities(runs: list[tuple[str, dict]]) -> list[list[str]]:
                                    .get("parity_from") or "-") for _, r in runs])
     rows.append(["/pause modes"] + [",".join(((r.get("capabilities") or {}).get("pause") or {})
                                              .get("modes") or []) or "-" for _, r in runs])
-    for engine in ("nccl", "ipc"):
+    engines = sorted({key.removesuffix("_path") for _, r in runs
+                      for key in ((r.get("capabilities") or {}).get("trainer_api") or {})
+                      if key.endswith("_path")})
+    for engine in engines:
         rows.append([f"trainer API ({engine})"] + [
             trainer_api_cell((r.get("capabilities") or {}).get("trainer_api") or {}, engine)
             for _, r in runs])
@@ -211,7 +215,7 @@ def trainer_api_cell(trainer_api: dict, engine: str) -> str:
     return "? (probe failed)"
 
 
-def render(runs: list[tuple[str, dict]]) -> str:
+def render(runs: list[tuple[str, Report]]) -> str:
     releases = [v for v, _ in runs]
     tests_by_release = [{t["nodeid"]: t for t in r.get("tests") or []} for _, r in runs]
     order: list[str] = []

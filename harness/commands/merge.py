@@ -22,7 +22,7 @@ How each part of the report is combined (``merge_reports``):
                   server counts and its own plan
 ``capabilities``  the first part's that saw a server's routes (a part that started no
                   server has none), else the first part's
-``summary``       ``harness.pytest.report.summarize`` over the merged tests
+``summary``       ``harness.pytest.records.summarize`` over the merged tests
 ``tests``         concatenated, in the order given
 ``known_issues``  each entry once, its ``tests_outcomes`` joined (a test that ran in
                   one part is "not run" in the others) and its ``status`` the most
@@ -49,8 +49,9 @@ import json
 import sys
 from pathlib import Path
 
-from harness.commands.diff.common import BadInput
-from harness.pytest.report import summarize, trainer_starts
+from harness.core import report_schema
+from harness.core.report_schema import Header, KnownIssues, Report, ReportedTest, Shard, Timing
+from harness.pytest.records import summarize, trainer_starts
 
 PER_PART_OPTIONS = ("harness_report", "harness_shard", "vllm_log_dir")
 
@@ -72,7 +73,7 @@ def _expressions(args: list, flag: str) -> list[str]:
     return out
 
 
-def selection_of(header: dict) -> dict:
+def selection_of(header: Header) -> dict:
     """What must be alike in every part of one run."""
     options = dict(header.get("options") or {})
     shard = options.get("harness_shard")
@@ -84,8 +85,8 @@ def selection_of(header: dict) -> dict:
             "shards": shard[1] if isinstance(shard, (list, tuple)) and len(shard) == 2 else None}
 
 
-def _refuse_unlike(reports: list[dict], names: list[str]) -> None:
-    def facts(r: dict) -> dict:
+def _refuse_unlike(reports: list[Report], names: list[str]) -> None:
+    def facts(r: Report) -> dict:
         h = r.get("header") or {}
         return {"schema": r.get("schema"), "commit": (h.get("git") or {}).get("commit"),
                 "vLLM": "{version} ({dist})".format(**{"version": None, "dist": None,
@@ -121,7 +122,7 @@ def _exitstatus(codes: list) -> int | None:
     return max(bad) if bad else 0 if 0 in codes else 5
 
 
-def _known_issues(reports: list[dict]) -> dict | None:
+def _known_issues(reports: list[Report]) -> KnownIssues | None:
     parts = [r["known_issues"] for r in reports if isinstance(r.get("known_issues"), dict)]
     if not parts:
         return None
@@ -138,7 +139,7 @@ def _known_issues(reports: list[dict]) -> dict | None:
     return {**parts[0], "entries": list(entries.values())}
 
 
-def _plan(reports: list[dict]) -> dict | None:
+def _plan(reports: list[Report]) -> dict | None:
     plans = [r["plan"] for r in reports if isinstance(r.get("plan"), dict)]
     if not plans:
         return None
@@ -159,7 +160,7 @@ def _plan(reports: list[dict]) -> dict | None:
 _LONGEST = ("start_wall_seconds", "pool_made_at")
 
 
-def _timing(reports: list[dict], tests: list[dict]) -> dict:
+def _timing(reports: list[Report], tests: list[ReportedTest]) -> Timing:
     parts = [(k, r.get("timing") or {}) for k, r in enumerate(reports, 1)]
     out: dict = {}
     for key in dict.fromkeys(k for _, t in parts for k in t):
@@ -206,7 +207,7 @@ def _by_mode(parts: list[dict]) -> dict:
     return out
 
 
-def merge_reports(reports: list[dict], names: list[str] | None = None) -> dict:
+def merge_reports(reports: list[Report], names: list[str] | None = None) -> Report:
     """One report of ``reports``, the parts of one run (``names``: how to call them in
     a refusal; "report 1", ... by default). Raises MergeError."""
     if not reports:
@@ -215,31 +216,32 @@ def merge_reports(reports: list[dict], names: list[str] | None = None) -> dict:
     _refuse_unlike(reports, names)
     headers = [r.get("header") or {} for r in reports]
     tests = [t for r in reports for t in r.get("tests") or []]
-    header = {**headers[0],
-              "start_time": min((h.get("start_time") for h in headers if h.get("start_time")),
-                                default=None),
-              "wall_seconds": max((h.get("wall_seconds") or 0 for h in headers), default=0),
-              "exitstatus": _exitstatus([h.get("exitstatus") for h in headers]),
-              "complete": all(h.get("complete") for h in headers)}
+    header: Header = {
+        **headers[0],
+        "start_time": min((h.get("start_time") for h in headers if h.get("start_time")),
+                          default=None),
+        "wall_seconds": max((h.get("wall_seconds") or 0 for h in headers), default=0),
+        "exitstatus": _exitstatus([h.get("exitstatus") for h in headers]),
+        "complete": all(h.get("complete") for h in headers)}
     with_routes = [r for r in reports if (r.get("capabilities") or {}).get("routes")]
-    return {
-        "schema": reports[0].get("schema"),
-        "header": header,
-        "shards": [{"shard": (h.get("options") or {}).get("harness_shard"),
-                    "start_time": h.get("start_time"), "wall_seconds": h.get("wall_seconds"),
-                    "exitstatus": h.get("exitstatus"), "complete": h.get("complete"),
-                    "command": h.get("command"), "tests": len(r.get("tests") or []),
-                    "servers": len(r.get("servers") or []), "plan": r.get("plan")}
-                   for h, r in zip(headers, reports)],
-        "capabilities": (with_routes or reports)[0].get("capabilities"),
-        "summary": summarize(tests),
-        "tests": tests,
-        "known_issues": _known_issues(reports),
-        "servers": [{**s, "shard": k} for k, r in enumerate(reports, 1)
-                    for s in r.get("servers") or []],
-        "plan": _plan(reports),
-        "timing": _timing(reports, tests),
-    }
+    return Report(
+        schema=reports[0].get("schema"),
+        header=header,
+        shards=[Shard(shard=(h.get("options") or {}).get("harness_shard"),
+                      start_time=h.get("start_time"), wall_seconds=h.get("wall_seconds"),
+                      exitstatus=h.get("exitstatus"), complete=h.get("complete"),
+                      command=h.get("command"), tests=len(r.get("tests") or []),
+                      servers=len(r.get("servers") or []), plan=r.get("plan"))
+                for h, r in zip(headers, reports)],
+        capabilities=(with_routes or reports)[0].get("capabilities"),
+        summary=summarize(tests),
+        tests=tests,
+        known_issues=_known_issues(reports),
+        servers=[{**s, "shard": k} for k, r in enumerate(reports, 1)
+                 for s in r.get("servers") or []],
+        plan=_plan(reports),
+        timing=_timing(reports, tests),
+    )
 
 
 # ----------------------------------------------------------------------------- command
@@ -253,14 +255,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.commands.diff.reports import load
-
     try:
-        merged = merge_reports([load(p) for p in args.reports], [str(p) for p in args.reports])
+        merged = merge_reports([report_schema.load(p) for p in args.reports],
+                               [str(p) for p in args.reports])
         if args.output.is_dir():
             raise MergeError(f"{args.output} is a directory; name the merged report's file")
         args.output.write_text(json.dumps(merged, indent=1, default=str) + "\n")
-    except (BadInput, MergeError, OSError) as e:
+    except (report_schema.ReportError, MergeError, OSError) as e:
         print(f"harness merge: {e}", file=sys.stderr)
         return 2
     s = merged["summary"]

@@ -2,7 +2,7 @@
 environment variables that change what runs.
 
 The run report's header (``harness.pytest.report``), the bench file's (``harness.commands.bench``)
-and the pytest session header (``harness.pytest.plugin``) are built from these, so the
+and the pytest session header (``harness.pytest.summary``) are built from these, so the
 same fact has the same name and value everywhere. Reading versions never imports
 vLLM, torch or transformers (package metadata only).
 """

@@ -31,8 +31,10 @@ from typing import Iterable, Mapping
 import pytest
 
 from harness.core.environment import REPORTED_ENV
-from harness.core.facts import DTYPE_ALIASES, installed_vllm, server_version
+from harness.core.facts import DTYPE_ALIASES
 from harness.known_issues import bounds as _bounds
+# what the entries are matched against, looked up here by mark_known_issues
+from harness.known_issues.target import host_kind, target_version
 
 DEFAULT_PATH = Path(__file__).with_name("known_issues.toml")
 ENV_PATH = "HARNESS_KNOWN_ISSUES"
@@ -304,25 +306,6 @@ def select(issues: Iterable[KnownIssue], nodeid: str, case: dict | None, version
         if issue.matches(nodeid, case) and issue.applies(version, host, env):
             return issue
     return None
-
-
-# ----------------------------------------------------------------------------- environment
-
-def target_version(url: str | None) -> tuple[str | None, str]:
-    """The vLLM version the tests run against, and where it was read: the attached
-    server's /version with --vllm-url, else the installed distribution."""
-    if url:
-        v = server_version(url)
-        if v:
-            return v, f"server {url}"
-    v, dist = installed_vllm()
-    return v, f"installed {dist}" if dist else "not installed"
-
-
-def host_kind() -> str:
-    from harness.run.layouts import gpu_count
-
-    return "gpu" if gpu_count() > 0 else "cpu"
 
 
 # ----------------------------------------------------------------------------- pytest

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from harness.core import report_schema
+from harness.core.report_schema import Report
 from harness.known_issues import _HOSTS, ENV_PATH, KnownIssue, load
 from harness.known_issues import bounds as _bounds
 
@@ -35,8 +37,8 @@ def _public(version: str | None) -> str | None:
         return version
 
 
-def report_facts(report: dict) -> tuple[str | None, str]:
-    """(vLLM version, host kind) of a run report (harness/pytest/report.py's schema)."""
+def report_facts(report: Report) -> tuple[str | None, str]:
+    """(vLLM version, host kind) of a run report (``harness.core.report_schema``)."""
     header = report.get("header") or {}
     version = (header.get("vllm") or {}).get("version")
     host = (report.get("known_issues") or {}).get("host")
@@ -45,12 +47,12 @@ def report_facts(report: dict) -> tuple[str | None, str]:
     return version, host
 
 
-def _env(report: dict) -> dict:
+def _env(report: Report) -> dict:
     """The environment a report recorded (harness.core.environment.REPORTED_ENV)."""
     return (report.get("header") or {}).get("env") or {}
 
 
-def _entry_outcomes(issue: KnownIssue, report: dict) -> dict[str, str]:
+def _entry_outcomes(issue: KnownIssue, report: Report) -> dict[str, str]:
     """nodeid -> what the entry's tests did in ``report``: known, fixed, or the plain
     outcome (passed, failed, skipped, ...) of a matching test the entry was not applied to."""
     out = {}
@@ -67,7 +69,7 @@ def _entry_outcomes(issue: KnownIssue, report: dict) -> dict[str, str]:
     return out
 
 
-def _judged_over(issue: KnownIssue, reports: list[dict]) -> list:
+def _judged_over(issue: KnownIssue, reports: list[Report]) -> list:
     """Each bound of ``issue`` against every number its known runs in ``reports``
     recorded (one ``bounds.Judged`` per bound, the worst of them all)."""
     metrics = [t.get("metrics") or {} for r in reports for t in r.get("tests") or []
@@ -93,7 +95,7 @@ class Check:
 
 
 def verify(issues: Iterable[KnownIssue],
-           reports: Iterable[tuple[str, dict]]) -> tuple[list[Check], list[str]]:
+           reports: Iterable[tuple[str, Report]]) -> tuple[list[Check], list[str]]:
     """Check every entry's `checked` versions against ``reports`` ((name, report dict)
     pairs). Returns the checks and notes: versions where an entry's tests came out known
     that its `checked` list does not name (candidates to add)."""
@@ -144,20 +146,10 @@ def verify(issues: Iterable[KnownIssue],
     return checks, notes
 
 
-def load_report(path: str) -> dict:
-    """A run report, or ValueError naming the file and what is wrong with it."""
-    import json
-
-    from harness.core import reportfile
-
-    try:
-        data = json.loads(reportfile.read_text(path))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read a JSON report: {e}") from None
-    if not isinstance(data, dict) or "header" not in data or "tests" not in data:
-        raise ValueError(f"{path}: not a run report (no header/tests; "
-                         "written by pytest --harness-report)")
-    return data
+def load_report(path: str) -> Report:
+    """A run report (``harness.core.report_schema.load``), or ReportError, a ValueError
+    naming the file and what is wrong with it."""
+    return report_schema.load(path)
 
 
 def main(argv: list[str] | None = None) -> int:

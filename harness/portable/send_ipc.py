@@ -17,8 +17,9 @@ class IpcSender:
     ``api``: ``factory`` (0.27.1+: vLLM's trainer engine calls the routes on ``client``) or
     ``static`` (0.26: each update info goes to a callable that posts it through ``client``)."""
 
-    def __init__(self, client: Any, *, packed: bool, api: str, geometry: dict | None = None):
-        self.client, self.packed, self.api = client, packed, api
+    def __init__(self, client: Any, *, engine: str, packed: bool, api: str,
+                 geometry: dict | None = None):
+        self.engine_name, self.client, self.packed, self.api = engine, client, packed, api
         self.geometry = dict(geometry or {})
         self.engine: Any = None  # the factory's trainer engine, kept across updates
 
@@ -34,9 +35,10 @@ class IpcSender:
     # [region factory]
 
     def _init_factory(self) -> None:  # calls /init_weight_transfer_engine; packed rides the info
-        info = engine_module("ipc").IPCTrainerInitInfo(rank=0, packed=self.packed, **self.geometry)
-        self.engine = factory_for("ipc").trainer_init(info, client=self.client,
-                                                      source=weight_source([]))
+        module = engine_module(self.engine_name)
+        info = module.IPCTrainerInitInfo(rank=0, packed=self.packed, **self.geometry)
+        self.engine = factory_for(self.engine_name).trainer_init(info, client=self.client,
+                                                                 source=weight_source([]))
 
     def _send_factory(self, weights: list) -> str:
         self.engine.source = weight_source(weights)
@@ -53,7 +55,7 @@ class IpcSender:
         client.start_weight_update()
         # a callable send_mode: each update posted through ``client`` (its errors and
         # timeout), not vLLM's own requests.post; packed and the geometry ride each update
-        engine_module("ipc").IPCWeightTransferEngine.trainer_send_weights(iter(weights), {
+        engine_module(self.engine_name).IPCWeightTransferEngine.trainer_send_weights(iter(weights), {
             "send_mode": lambda info: client.update_weights(update_info_as_dict(info)),
             "packed": self.packed, **self.geometry})
         client.finish_weight_update()
@@ -64,7 +66,7 @@ class IpcSender:
 
 def send_ipc(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
     """The script's sync: one group, one update (``timeout``: the client's, per route)."""
-    sender = IpcSender(client, packed=sc["packed"], api=sc["trainer_api"])
+    sender = IpcSender(client, engine=sc["engine"], packed=sc["packed"], api=sc["trainer_api"])
     sender.init()
     return sender.send(weights)
 # [region static]

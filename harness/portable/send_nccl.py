@@ -25,12 +25,12 @@ class NcclSender:
     hold_before_broadcast_s = 0.0  # fault tests kill the trainer in this wait
     # [end]
 
-    def __init__(self, client: Any, *, packed: bool, api: str, device: Any, world_size: int,
-                 timeout: float, master_port: int | None = None):
-        self.client, self.packed, self.api, self.device = client, packed, api, str(device)
+    def __init__(self, client: Any, *, engine: str, packed: bool, api: str, device: Any,
+                 world_size: int, timeout: float, master_port: int | None = None):
+        self.engine_name, self.client, self.packed = engine, client, packed  # engine: vLLM's name
+        self.api, self.device, self.timeout = api, str(device), timeout
         self.rendezvous = {"master_address": "127.0.0.1", "world_size": world_size,
                            "master_port": master_port or free_port()}
-        self.timeout = timeout
 
     def init(self) -> None:
         r = self.rendezvous
@@ -42,9 +42,9 @@ class NcclSender:
     # [region factory]
 
     def _init_factory(self) -> None:  # 0.28.0+: vLLM's trainer engine, which calls the routes
-        cls = engine_module("nccl").NCCLTrainerInitInfo
+        cls = engine_module(self.engine_name).NCCLTrainerInitInfo
         info = cls(rank=0, packed=self.packed, **self.rendezvous, **self.geometry)
-        factory, source = factory_for("nccl"), weight_source([])
+        factory, source = factory_for(self.engine_name), weight_source([])
         self.engine, = self.steps((
             "WeightTransferTrainerFactory.trainer_init (with /init_weight_transfer_engine)",
             lambda: factory.trainer_init(info, client=self.client, source=source)))
@@ -63,7 +63,7 @@ class NcclSender:
         return _wt("nccl_common").trainer_init(dict(self.rendezvous))
 
     def broadcaster(self, weights: list) -> Callable[[], None]:  # built before any route
-        mod = engine_module("nccl")
+        mod = engine_module(self.engine_name)
         args = {"group": self.group, "src": 0, "packed": self.packed, **self.geometry,
                 "post_iter_func": lambda item: item[1].contiguous()}  # NCCL reads data_ptr()
         args = getattr(mod, "NCCLTrainerSendWeightsArgs", dict)(**args)
@@ -77,8 +77,8 @@ class NcclSender:
             (f"NCCL rendezvous at {r['master_address']}:{r['master_port']}", self.open_group))
 
     def _send_static(self, weights: list) -> str:
-        fields = self.fields if self.fields is not None else [  # 0.26: packed in each update
-            f.name for f in dataclasses.fields(engine_module("nccl").NCCLWeightTransferUpdateInfo)]
+        fields = self.fields if self.fields is not None else [f.name for f in dataclasses.fields(
+            engine_module(self.engine_name).NCCLWeightTransferUpdateInfo)]  # 0.26: packed in each
         if self.packed and "packed" not in fields:
             raise Unusable(f"NCCLWeightTransferUpdateInfo has no 'packed' field here: {fields}")
         update = {k: v for k, v in dict(self.geometry, packed=self.packed).items() if k in fields}
@@ -164,7 +164,7 @@ class StepTimeout(TimeoutError):
 def send_nccl(client: Any, weights: list, sc: dict[str, Any], timeout: float) -> str:
     """The script's sync: a group of the server's ranks and this one, one update."""
     world_size = int(client.call("GET", "/get_world_size")["world_size"]) + 1
-    sender = NcclSender(client, packed=sc["packed"], api=sc["trainer_api"],
+    sender = NcclSender(client, engine=sc["engine"], packed=sc["packed"], api=sc["trainer_api"],
                         device=sc["trainer_device"], world_size=world_size, timeout=timeout)
     sender.init()
     return sender.send(weights)

@@ -151,7 +151,7 @@ def case_of(item: pytest.Item) -> Case | None:
 
 
 def need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
-          ) -> _plan.Need | None:
+          ) -> _plan.ServerNeed | None:
     """What ``item`` needs of the pool (None: no case, or a model that cannot be built
     here, whose tests skip saying why). Builds nothing."""
     case = case_of(item)
@@ -166,7 +166,7 @@ def need(item: pytest.Item, s: _settings.Settings, paths: dict[str, str]
     cfg = server_config_for(case, paths[case.model], attention_backend=s.vllm_attention_backend,
                             api_key=s.vllm_api_key)
     twin = item.get_closest_marker("twin")
-    return _plan.Need(item.nodeid, cfg,
+    return _plan.ServerNeed(item.nodeid, cfg,
                       twin_config(cfg, paths[case.model], mode=twin.kwargs.get("mode"))
                       if twin else None,
                       fresh=(item.get_closest_marker("fresh_server") is not None

@@ -40,6 +40,8 @@ of the session it writes one JSON document:
                   time and per serving mode, test time, every sync, and the tests'
                   phases summed
 
+The document's parts are typed, versioned and read back in ``harness.core.report_schema``;
+the per-test records are built in ``harness.pytest.records``.
 ``harness diff A.json B.json`` compares two of these. JUnit XML (``--junitxml``) is
 untouched; ``case``, ``metrics`` and ``known_issue`` also land there as properties.
 """
@@ -61,17 +63,19 @@ from typing import Any
 import pytest
 
 from harness.core import environment, measure, reportfile
+from harness.core.report_schema import (SCHEMA_VERSION, Header, KnownIssues, Report,
+                                        ServerRecord, Timing, json_safe)
 from harness.pause.openapi import pause_capabilities  # the pause checks' own parse
+from harness.pytest.records import TestRecorder, summarize, trainer_starts
 from harness.run.parallel import MergedPool, gather_records
 from harness.run.pool import start_seconds_by_mode
-from harness.vllm import capabilities
+from harness.transfer import capabilities
 
-SCHEMA_VERSION = 3  # 2: per-test "syncs", top-level "timing"; 3: per-test "timing", "plan"
 PROBE_WAIT_S = 120.0  # at the end of a run, how long the report waits for the probes
 PROBE_ENV = "HARNESS_REPORT_PROBES"  # "0" skips the trainer-API / backend probes
 # Run by harness.vllm.probe_cache.answer in a process of its own (see
-# harness.vllm.capabilities); a test swaps in a stand-in.
-PROBE_CHILD = "from harness.vllm.capabilities import child_main; child_main()"
+# harness.transfer.capabilities); a test swaps in a stand-in.
+PROBE_CHILD = "from harness.transfer.capabilities import child_main; child_main()"
 
 # Routes the harness's client calls (harness/vllm/client.py); losing one of these between
 # two vLLM versions is a regression ``harness diff`` reports.
@@ -151,162 +155,6 @@ def _spares_figures(pool) -> dict:
     return {"kept": spares.count if spares else 0, "taken": spares.taken if spares else 0}
 
 
-# ----------------------------------------------------------------------------- per test
-
-def _phase_outcome(rep: pytest.TestReport) -> str:
-    if hasattr(rep, "wasxfail"):
-        return "xfailed" if rep.skipped else "xpassed"
-    if rep.failed and isinstance(rep.longrepr, str) and rep.longrepr.startswith("[XPASS(strict)]"):
-        return "xpassed_strict"
-    return rep.outcome
-
-
-def _skip_reason(rep: pytest.TestReport) -> str | None:
-    if hasattr(rep, "wasxfail"):
-        return rep.wasxfail or None
-    lr = rep.longrepr
-    if rep.skipped and isinstance(lr, tuple) and len(lr) == 3:
-        return str(lr[2]).removeprefix("Skipped: ")
-    return None
-
-
-def _failure_message(rep: pytest.TestReport, limit: int = 4000) -> str | None:
-    if not rep.failed:
-        return None
-    crash = getattr(rep.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(rep.longrepr)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
-
-
-class _TestRecord:
-    def __init__(self, nodeid: str):
-        self.nodeid = nodeid
-        self.phases: dict[str, str] = {}
-        self.duration = 0.0
-        self.reason: str | None = None
-        self.message: str | None = None
-        self.props: list[tuple[str, Any]] = []
-        self.began: float | None = None   # epoch seconds, the set-up's start
-        self.worker: str | None = None
-
-    def add(self, rep: pytest.TestReport) -> None:
-        if rep.when == "setup" or self.began is None:
-            self.began = getattr(rep, "start", None) or self.began
-        node = getattr(rep, "node", None)  # xdist: the worker the report came from
-        self.worker = getattr(getattr(node, "gateway", None), "id", None) or self.worker
-        self.phases[rep.when] = _phase_outcome(rep)
-        self.duration += rep.duration
-        self.reason = _skip_reason(rep) or self.reason
-        msg = _failure_message(rep)
-        if msg and self.message is None:
-            self.message = msg
-        self.props = list(rep.user_properties)  # the item's list, as of this phase
-
-    def ran(self) -> bool:
-        """The test body ran (it was not skipped or refused at setup)."""
-        return "call" in self.phases
-
-    def outcome(self) -> str:
-        p = self.phases
-        setup, call, teardown = p.get("setup"), p.get("call"), p.get("teardown")
-        if setup in ("failed", "xpassed_strict"):
-            return "error"
-        if setup in ("skipped", "xfailed"):
-            return setup
-        if call is None:
-            if "failed" in p.values():
-                return "error"
-            # set up, never finished: the run was interrupted (Ctrl-C, a time limit)
-            return "interrupted" if setup == "passed" else "skipped"
-        if call == "xpassed_strict":
-            return "failed"
-        if teardown == "failed" and call != "failed":
-            return "error"
-        return call
-
-    def as_dict(self, epoch_t0: float = 0.0) -> dict:
-        case, metrics, known, syncs, bounds = None, {}, None, [], None
-        timing: dict[str, float] = {}
-        for name, value in self.props:
-            if name == "case" and isinstance(value, dict):
-                case = value
-            elif name == "metrics" and isinstance(value, dict):
-                metrics.update(value)
-            elif name == "sync" and isinstance(value, dict):
-                syncs.append(value)
-            elif name == "phase" and isinstance(value, dict):
-                for phase, seconds in value.items():
-                    timing[phase] = timing.get(phase, 0.0) + seconds
-            elif name == "known_issue":
-                known = value
-            elif name == "known_issue_bounds":
-                bounds = value
-        if timing:  # where the test's time went; "other" is what no phase accounts for
-            timing = {k: round(v, 3) for k, v in timing.items()}
-            timing["other"] = round(max(0.0, self.duration - sum(timing.values())), 3)
-        return {"nodeid": self.nodeid, "outcome": self.outcome(),
-                "duration": round(self.duration, 3), "reason": self.reason,
-                "at": (round(self.began - epoch_t0, 3) if self.began else None),
-                "worker": self.worker,
-                "known_issue": known,
-                "known_issue_bounds": _json_safe(bounds),
-                "xpass_strict": "xpassed_strict" in self.phases.values(),
-                "case": case, "metrics": _json_safe(metrics), "syncs": _json_safe(syncs),
-                "timing": timing,
-                "message": self.message,
-                "phases": dict(self.phases)}
-
-
-def _json_safe(v: Any) -> Any:
-    """NaN/inf are not JSON: keep them as strings, everything else as is (or its str)."""
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
-    if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    if v is None or isinstance(v, (str, int, bool)):
-        return v
-    return str(v)
-
-
-# Where a sync that started a trainer spent its time (see flow.SYNC_TIMES)
-_START_PIECES = ("start_seconds", "cuda_init_seconds", "load_seconds", "sender_seconds",
-                 "init_seconds", "sync_seconds", "drop_seconds", "close_seconds",
-                 "push_seconds")
-
-
-def trainer_starts(syncs: list[dict]) -> dict:
-    """The syncs that started a trainer process (a persistent trainer's first, or a
-    fresh trainer's only one): how many, how many took over a spare, and the median and
-    sum of each piece of their time; ``push_seconds`` is the whole of it as the test
-    saw it, between /pause and /resume."""
-    started = [x for x in syncs if x.get("start_seconds") is not None]
-    pieces = {}
-    for k in _START_PIECES:
-        vals = sorted(x[k] for x in started if isinstance(x.get(k), (int, float)))
-        if vals:
-            pieces[k] = {"median": round(vals[len(vals) // 2], 3), "sum": round(sum(vals), 1)}
-    return {"count": len(started), "spare": sum(1 for x in started if x.get("spare")),
-            "seconds": pieces}
-
-
-def summarize(tests: list[dict]) -> dict:
-    counts: dict[str, int] = {}
-    for t in tests:
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-    return {
-        "total": len(tests), **counts,
-        "known": sorted(t["nodeid"] for t in tests
-                        if t["outcome"] == "xfailed" and t.get("known_issue")),
-        "fixed_known_issues": sorted(t["nodeid"] for t in tests
-                                     if t.get("xpass_strict") and t.get("known_issue")),
-        "new_failures": sorted(t["nodeid"] for t in tests
-                               if t["outcome"] in ("failed", "error")
-                               and not (t.get("xpass_strict") and t.get("known_issue"))),
-    }
-
-
 def earlier_run_tests(path: Path) -> int:
     """How many tests the report at ``path`` holds (0: none there, not a report, or the
     report of a run that ran nothing, such as a plan)."""
@@ -333,7 +181,7 @@ class ReportPlugin:
         # The servers' times are seconds after state.t0 (monotonic); a test report's
         # are epoch seconds. This maps one onto the other.
         self.epoch_t0 = time.time() - (self.t0 - getattr(state, "t0", self.t0))
-        self.records: dict[str, _TestRecord] = {}
+        self.records: dict[str, TestRecorder] = {}
         self.openapi: dict | None = None
         self.openapi_source: dict | None = None
         self.openapi_error: str | None = None
@@ -354,7 +202,7 @@ class ReportPlugin:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         rec = self.records.get(report.nodeid)
         if rec is None:
-            rec = self.records[report.nodeid] = _TestRecord(report.nodeid)
+            rec = self.records[report.nodeid] = TestRecorder(report.nodeid)
         rec.add(report)
         # A run killed by a job's time limit still leaves the tests it finished: the
         # report is rewritten (header "complete": false) after every test that ran.
@@ -418,7 +266,7 @@ class ReportPlugin:
         if self.openapi is None:
             self._capture_from_url()
         if self.worker:
-            session.config.workeroutput.setdefault("harness", {})["report"] = _json_safe({
+            session.config.workeroutput.setdefault("harness", {})["report"] = json_safe({
                 "openapi": self.openapi, "openapi_source": self.openapi_source,
                 "openapi_error": self.openapi_error, "known_issues": self.known_issues()})
             return
@@ -434,7 +282,7 @@ class ReportPlugin:
             self.openapi_error = self.openapi_error or part.get("openapi_error")
         self._write(self.build(int(exitstatus)))
 
-    def _write(self, report: dict) -> None:
+    def _write(self, report: Report) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         report = relative_paths(report, str(self.config.invocation_params.dir))
@@ -452,29 +300,29 @@ class ReportPlugin:
             return
         terminalreporter.write_line(f"harness report written to {self.path}")
 
-    def header(self, exitstatus: int | None) -> dict:
+    def header(self, exitstatus: int | None) -> Header:
         from harness.run import layouts
 
         s = self.state.settings
-        return {
+        return Header(
             **environment.versions(extra=("tokenizers", "pytest")),
-            "harness_path": str(Path(__file__).resolve().parents[1]),
-            "git": _git(Path(self.config.rootpath)),
+            harness_path=str(Path(__file__).resolve().parents[1]),
+            git=_git(Path(self.config.rootpath)),
             **environment.host(),
-            "gpus": {"present": layouts.gpu_count(), "used": s.gpus(),
-                     "names": layouts.gpu_names()},
-            "selection": {"layouts": list(s.vllm_layout), "models": list(s.vllm_model),
-                          "dtypes": list(s.vllm_dtype), "backends": list(s.vllm_backend)},
-            "seed": 0,
-            "options": s.as_dict(),
-            "env": environment.env_vars(),
+            gpus={"present": layouts.gpu_count(), "used": s.gpus(),
+                  "names": layouts.gpu_names()},
+            selection={"layouts": list(s.vllm_layout), "models": list(s.vllm_model),
+                       "dtypes": list(s.vllm_dtype), "backends": list(s.vllm_backend)},
+            seed=0,
+            options=s.as_dict(),
+            env=environment.env_vars(),
             **command_line(self.config),
-            "start_time": self.started_at.isoformat(timespec="seconds"),
-            "wall_seconds": round(time.monotonic() - self.t0, 3),
-            "exitstatus": exitstatus,
+            start_time=self.started_at.isoformat(timespec="seconds"),
+            wall_seconds=round(time.monotonic() - self.t0, 3),
+            exitstatus=exitstatus,
             # ended normally: not killed mid-run (None) nor interrupted (pytest's 2)
-            "complete": exitstatus is not None and exitstatus != pytest.ExitCode.INTERRUPTED,
-        }
+            complete=exitstatus is not None and exitstatus != pytest.ExitCode.INTERRUPTED,
+        )
 
     def _start_probes(self) -> None:
         """Probe the installed vLLM (in child processes) beside the run, never in its
@@ -523,22 +371,22 @@ class ReportPlugin:
         caps["probe_seconds"] = round(time.monotonic() - t0, 3)
         return caps
 
-    def known_issues(self) -> dict | None:
+    def known_issues(self) -> KnownIssues | None:
         from harness.known_issues import STATE
 
         state = self.config.stash.get(STATE, None)
         if state is None:
             return next((p["known_issues"] for p in self._worker_parts()
                          if p.get("known_issues")), None)
-        return {"source": state.source, "vllm_version": state.version,
-                "version_source": state.version_source, "host": state.host,
-                "entries": state.entries()}
+        return KnownIssues(source=state.source, vllm_version=state.version,
+                           version_source=state.version_source, host=state.host,
+                           entries=state.entries())
 
-    def servers(self) -> list[dict]:
+    def servers(self) -> list[ServerRecord]:
         pool = self._pool()
-        return [dict(s) for s in pool.started] if pool is not None else []
+        return [ServerRecord(s) for s in pool.started] if pool is not None else []
 
-    def timing(self) -> dict:
+    def timing(self) -> Timing:
         """Where the run's time went: server starts (summed and as wall time, which
         differ when servers start side by side), test time, and every sync."""
         pool = self._pool()
@@ -557,7 +405,7 @@ class ReportPlugin:
                    sum(o.get("servers_planned", 0) for o in getattr(self.state, "worker_outputs", {}).values())
                    or None)
         by_mode = start_seconds_by_mode(pool.started) if pool is not None else {}
-        return {**figures,
+        timing: Timing = {**figures,
                 "start_seconds_by_mode": by_mode,
                 "servers_planned": planned,
                 "restart_reasons": list(pool.restarts) if pool is not None else [],
@@ -589,23 +437,24 @@ class ReportPlugin:
                                        if x.get("first")],
                 "warm_sync_seconds": [round(x.get("sync_seconds") or 0, 4) for x in syncs
                                       if not x.get("first")]}
+        return timing
 
-    def build(self, exitstatus: int | None) -> dict:
+    def build(self, exitstatus: int | None) -> Report:
         tests = [r.as_dict(self.epoch_t0) for r in self.records.values()]
-        return _json_safe({
-            "schema": SCHEMA_VERSION,
-            "header": self.header(exitstatus),
+        return json_safe(Report(
+            schema=SCHEMA_VERSION,
+            header=self.header(exitstatus),
             # an interrupted run (Ctrl-C, a job's time limit) does not wait for the probes
-            "capabilities": self.capabilities(
+            capabilities=self.capabilities(
                 final=exitstatus is not None and exitstatus != pytest.ExitCode.INTERRUPTED),
-            "summary": summarize(tests),
-            "tests": tests,
-            "known_issues": self.known_issues(),
-            "uncovered_capabilities": self.uncovered(),
-            "servers": self.servers(),
-            "plan": self.plan(),
-            "timing": self.timing(),
-        })
+            summary=summarize(tests),
+            tests=tests,
+            known_issues=self.known_issues(),
+            uncovered_capabilities=self.uncovered(),
+            servers=self.servers(),
+            plan=self.plan(),
+            timing=self.timing(),
+        ))
 
     def uncovered(self) -> list[dict] | None:
         """The capabilities no test exercised, and why (``harness.pytest.coverage``)."""

@@ -13,7 +13,7 @@ from harness.pytest import selection as _selection
 from harness.run import parallel
 from harness.run import plan as _plan
 from harness.run import settings as _settings
-from harness.run.pool import start_seconds_by_mode
+from harness.run.start_figures import start_seconds_by_mode
 
 
 def header_lines(s: _settings.Settings, plan: _plan.Plan | None = None) -> list[str]:
@@ -50,18 +50,18 @@ def zoo_pinned_line(config: pytest.Config, state) -> str | None:
             "models only")
 
 
-def said_lines(config: pytest.Config, state) -> list[str]:
+def selection_lines(config: pytest.Config, state) -> list[str]:
     """What the selection asked for and what can run here, in at most three lines (and
     the zoo-pinned tests an own model leaves out, in one more)."""
     reasons = _selection.selected(state.dropped, _selection.matcher(config))
-    said = _selection.summary(reasons, state.case_count, _selection.asked(config),
-                              state.settings.gpus())
+    lines = _selection.summary(reasons, state.case_count, _selection.asked(config),
+                               state.settings.gpus())
     pinned = zoo_pinned_line(config, state)
     if pinned:
-        said.append(pinned)
+        lines.append(pinned)
     if config.option.verbose > 0:
-        said += _selection.detail(reasons)
-    return said
+        lines += _selection.detail(reasons)
+    return lines
 
 
 def deselected_nodeids(config: pytest.Config, state) -> list[tuple[str, str]]:
@@ -89,20 +89,20 @@ def terminal_summary(terminalreporter, config: pytest.Config, state) -> None:
     ``RunState``, or None when it did not run)."""
     if state is None or not (state.items or state.deselected or state.worker_outputs):
         return
-    said, shortfall = said_lines(config, state), state.shortfall
+    selection, shortfall = selection_lines(config, state), state.shortfall
     if state.worker_outputs:  # side by side: the workers saw the selection
         first = next(iter(sorted(state.worker_outputs.items())))[1]
-        said = first.get("said") or []
+        selection = first.get("selection_lines") or []
         shortfall = next((o["shortfall"] for o in state.worker_outputs.values()
                           if o.get("shortfall")), None)
     rows = uncovered(config, state)
-    if not (said or state.pool is not None or state.stop_error or shortfall or rows
+    if not (selection or state.pool is not None or state.stop_error or shortfall or rows
             or any(r.startswith("in other shards") for r in state.deselected)
             or any(o.get("started") for o in state.worker_outputs.values())):
         return
     tr = terminalreporter
     tr.section("weight-sync-harness")
-    for line in said:
+    for line in selection:
         tr.write_line(line)
     for reason, n in sorted(state.deselected.items()):  # --harness-shard's cut
         if reason.startswith("in other shards"):

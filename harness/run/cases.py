@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness import models
+from harness import models, transfer
 from harness.core import facts
 from harness.core.facts import DEFAULT_MODE, DEFAULT_TRAINER
 from harness.models import requirements
@@ -267,7 +267,7 @@ def make_case(backend: str, layout: str | None, dtype: str, model: str) -> Case:
 
 
 def default_layout(backend: str) -> str:
-    return {"shm": "cpu", "ipc": "1gpu-colocated", "nccl": "2gpu-split"}[VARIANTS[backend].engine]
+    return transfer.backend(VARIANTS[backend].engine).default_layout
 
 
 def server_config_for(case: Case, model_path: str, *, attention_backend: str | None = None,
@@ -277,6 +277,7 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
     if lay.server_gpus and attn is None and case.dtype == "float32":
         attn = "FLEX_ATTENTION"  # FlashAttention 3, the Hopper default, refuses float32
     kw = dict(model=model_path, backend=case.backend.engine, dtype=case.dtype,
+              insecure_serialization=transfer.backend(case.backend.engine).insecure_serialization,
               device_ids=lay.server_gpus, tensor_parallel_size=lay.tensor_parallel_size,
               data_parallel_size=lay.data_parallel_size,
               pipeline_parallel_size=lay.pipeline_parallel_size,
@@ -294,12 +295,6 @@ def server_config_for(case: Case, model_path: str, *, attention_backend: str | N
     return ServerConfig(**kw)
 
 
-# A twin takes no update, so its weight-transfer backend is only a launch flag: the
-# GPU backends' servers share one twin (NCCL and CUDA IPC cases on one GPU layout), one
-# start fewer per engine in a run that selects both.
-TWIN_BACKENDS = {"nccl": "ipc"}
-
-
 def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
                 mode: str | None = None) -> ServerConfig:
     """The same server, loading ``weights_dir`` from disk the normal way; one twin
@@ -310,7 +305,13 @@ def twin_config(cfg: ServerConfig, weights_dir: str | Path, *,
     it loads the weights in the server's dtype, as a trainer in it sends them
     (``models.as_sent_path``)."""
     eager = cfg.enforce_eager if mode is None else mode == "eager"
+    # A twin takes no update, so its engine is only a launch flag: a backend may name
+    # another's (Backend.twin_engine), so that the servers of both share one twin.
+    engine = cfg.backend
+    if engine is not None:
+        engine = transfer.backend(engine).twin_engine or engine
     return dataclasses.replace(cfg, model=models.as_sent_path(str(weights_dir), cfg.dtype),
-                               load_format="auto", enforce_eager=eager,
-                               backend=TWIN_BACKENDS.get(cfg.backend, cfg.backend))
+                               load_format="auto", enforce_eager=eager, backend=engine,
+                               insecure_serialization=engine is not None and
+                               transfer.backend(engine).insecure_serialization)
 

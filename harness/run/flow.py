@@ -24,8 +24,9 @@ from harness import models
 from harness.oracles import parity
 from harness.oracles.reference import Reference, hf_reference
 from harness.run.cases import Case, server_config_for, twin_config
-from harness.run.pool import ServerPool, State
-from harness.run.sync import OnStep, SyncTimings, add_note, paused_sync
+from harness.run.pool import ServerPool
+from harness.run.server_weights import State
+from harness.run.sync import OnStep, add_note, paused_sync
 from harness.trainer.handle import TrainerCodeUnavailable, TrainerSpec, run_trainer
 from harness.vllm.client import ControlPlaneError, ServerClient
 from harness.vllm.server import ServerConfig, VLLMServer
@@ -74,7 +75,6 @@ class SyncSession:
                                                           attention_backend=attention_backend,
                                                           api_key=api_key)
         self.current_server: VLLMServer | None = None
-        self.last_sync_timings: SyncTimings | None = None
         with self.phase("server_wait"):
             self.server = self.use_server(self.server_cfg)
         self.client = self.client_for(self.server)
@@ -133,14 +133,14 @@ class SyncSession:
         before the sync (shown failing against a reset that pushes nothing,
         tests/unit/test_core.py)."""
         cfg = self.server_cfg
-        held = self.pool.holding_of(cfg)
+        held = self.pool.weights_of(cfg)
         if held.fresh:
             return
         t0 = time.monotonic()
         dummy = str(models.dummy_copy(Path(self.model_path)))
         trainer = (self.pool.live_trainer(cfg)
                    or self.pool.trainer(cfg, self.trainer_spec()))
-        self.pool.set_holding(cfg, State.INCOMPLETE, dummy)
+        self.pool.record_weights(cfg, State.INCOMPLETE, dummy)
         try:
             with self.phase("reset"):
                 paused_sync(self.client, lambda: trainer.sync(dummy, timeout=self.sync_timeout))
@@ -152,7 +152,7 @@ class SyncSession:
                 self.server = self.use_server(cfg)
             self.client = self.client_for(self.server)
             return
-        self.pool.set_holding(cfg, State.RESET, dummy)
+        self.pool.record_weights(cfg, State.RESET, dummy)
         self.pool.resets.append({"config": cfg.describe(), "for": self.user,
                                  "held": held.state.name.lower(),
                                  "seconds": round(time.monotonic() - t0, 3)})
@@ -218,8 +218,8 @@ class SyncSession:
         if trainer_dtype is not None and trainer_dtype != spec.dtype:
             spec, fresh_trainer = dataclasses.replace(spec, dtype=trainer_dtype), True
         # Until the trainer reports success the server holds an unknown mix of weights.
-        held = self.pool.holding_of(self.server_cfg)
-        self.pool.set_holding(self.server_cfg, State.INCOMPLETE, weights)
+        held = self.pool.weights_of(self.server_cfg)
+        self.pool.record_weights(self.server_cfg, State.INCOMPLETE, weights)
         lying = {"lie": lie} if lie else {}
 
         def push() -> dict:
@@ -243,15 +243,14 @@ class SyncSession:
                     timeout=self.sync_timeout)
             except BaseException as e:
                 if isinstance(e, TrainerCodeUnavailable):  # refused before any route was called
-                    self.pool.set_holding(self.server_cfg, held.state, held.weights)
+                    self.pool.record_weights(self.server_cfg, held.state, held.weights)
                 add_note(e, self.server_state())
                 raise
 
         run = paused_sync(self.client, push, pause=pause, pause_mode=pause_mode,
                           on_step=on_step)
-        self.last_sync_timings = run.timings  # pause, push, resume: seconds of each
         result = run.result
-        self.pool.set_holding(self.server_cfg, State.SYNCED if corrupt is None and lie is None
+        self.pool.record_weights(self.server_cfg, State.SYNCED if corrupt is None and lie is None
                               else State.CORRUPTED, weights)
         self.record(sync_seconds=result.get("sync_seconds"), sync_bytes=result.get("bytes"),
                     sync_tensors=result.get("tensors"), trainer_api=result.get("api_path"),
@@ -278,12 +277,12 @@ class SyncSession:
     @property
     def holds(self) -> str | None:
         """The weights the server holds after a complete, undamaged sync (else None)."""
-        h = self.pool.holding_of(self.server_cfg)
+        h = self.pool.weights_of(self.server_cfg)
         return h.weights if h.state is State.SYNCED else None
 
     def ensure_holds(self, weights_dir: str | Path | None = None) -> None:
         """Sync ``weights_dir`` (default: the model) unless the server already holds it."""
-        if not self.pool.holding_of(self.server_cfg).holds(str(weights_dir or self.model_path)):
+        if not self.pool.weights_of(self.server_cfg).holds(str(weights_dir or self.model_path)):
             self.sync(weights_dir)
 
     def leave_healthy(self) -> str | None:
@@ -291,7 +290,7 @@ class SyncSession:
         this server, so the model is pushed again. A sync that did not complete (the
         transport may hang again), or a repair that fails, stops the server instead,
         and the reason is returned (None when nothing had to be stopped)."""
-        state = self.pool.holding_of(self.server_cfg).state
+        state = self.pool.weights_of(self.server_cfg).state
         if state in (State.DUMMY, State.RESET, State.SYNCED):
             return None
         why = "a weight sync did not complete"
@@ -369,8 +368,6 @@ class FlowResult:
     before: parity.ParityReport      # on the dummy weights
     after: parity.ParityReport       # after pause -> sync -> resume
     sync: dict                       # the trainer's result
-    before_texts: list[str]
-    after_texts: list[str]
     # GET /weight_info before the first update (None where the release has no route)
     weight_version_before: str | None = None
 
@@ -393,8 +390,7 @@ def seed_flow(s: SyncSession, *, weights_dir: str | Path | None = None,
     obs_after = s.observe(ref, phase="after")
     after = parity.compare(obs_after, ref, decode=s.decode)
     say("after", report=after, texts=[o.text for o in obs_after])
-    return FlowResult(ref, before, after, result, [o.text for o in obs], [o.text for o in obs_after],
-                      version_before)
+    return FlowResult(ref, before, after, result, version_before)
 
 
 def _weight_version_or_none(client) -> str | None:

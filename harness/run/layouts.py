@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 
+from harness.transfer import registry
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -21,7 +23,6 @@ class Layout:
     server_gpus: tuple[int, ...]    # () = CPU server
     tensor_parallel_size: int
     trainer_gpu: int | None         # None = CPU trainer
-    engines: tuple[str, ...]        # weight-transfer engines this layout supports
     description: str = ""
     opt_in: bool = False            # left out of the default selection (see LAYOUTS)
     data_parallel_size: int = 1     # engine cores, each a whole copy of the model
@@ -34,6 +35,11 @@ class Layout:
     def ranks(self) -> int:
         """Worker ranks across every engine (what ``GET /get_world_size`` counts)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The weight-transfer engines that run on this layout (each ``Backend.layouts``)."""
+        return tuple(e for e, b in registry.backends().items() if self.name in b.layouts)
 
     @property
     def gpus_needed(self) -> int:
@@ -55,38 +61,38 @@ CPU_PP2_UNSUPPORTED = (
     "request id, and the request answers HTTP 500 'EngineCore encountered an issue'")
 
 LAYOUTS: dict[str, Layout] = {l.name: l for l in [
-    Layout("cpu", (), 1, None, ("shm",), "server and trainer on the CPU"),
-    Layout("1gpu-colocated", (0,), 1, 0, ("ipc", "shm"),
+    Layout("cpu", (), 1, None, "server and trainer on the CPU"),
+    Layout("1gpu-colocated", (0,), 1, 0,
            "server and trainer share GPU 0 (IPC)"),
-    Layout("2gpu-split", (0,), 1, 1, ("nccl", "shm"),
+    Layout("2gpu-split", (0,), 1, 1,
            "server on GPU 0, trainer on GPU 1 (NCCL)"),
-    Layout("2gpu-ipc-gpu1", (1,), 1, 1, ("ipc",),
+    Layout("2gpu-ipc-gpu1", (1,), 1, 1,
            "server and trainer share GPU 1: IPC handles must be matched by GPU identity, "
            "not index"),
-    Layout("3gpu-tp2", (0, 1), 2, 2, ("nccl", "shm"),
+    Layout("3gpu-tp2", (0, 1), 2, 2,
            "server tensor-parallel over GPUs 0-1, trainer on GPU 2 (NCCL)"),
     # Tensor parallelism on the CPU: each rank takes the full tensors and keeps its shard,
     # the path 3gpu-tp2 takes, on any host. Opt-in (a whole suite on it doubles the CPU
     # run); tests/test_tensor_parallel.py pins itself to it.
-    Layout("cpu-tp2", (), 2, None, ("shm",),
+    Layout("cpu-tp2", (), 2, None,
            "server tensor-parallel over two CPU ranks (one core each), trainer on the CPU",
            opt_in=True),
     # Data and pipeline parallelism: two engine cores that each hold the whole model
     # (the API server spreads requests over them), or two stages that each hold half of
     # the layers. Every rank must take every update. Opt-in like cpu-tp2 (a server of
     # their own costs 1-4 minutes on a small CPU host); tests/test_data_parallel.py pins
-    # itself to them. On GPUs the trainer stays on the CPU and pushes through shm: IPC
-    # handles open only on the trainer's GPU, and NCCL would need a third GPU.
-    Layout("cpu-dp2", (), 1, None, ("shm",),
+    # itself to them. On GPUs the trainer stays on the CPU: IPC handles open only on the
+    # trainer's GPU, and NCCL would need a third GPU.
+    Layout("cpu-dp2", (), 1, None,
            "server data-parallel: two CPU engine cores (one core each), trainer on the CPU",
            opt_in=True, data_parallel_size=2),
-    Layout("cpu-pp2", (), 1, None, ("shm",),
+    Layout("cpu-pp2", (), 1, None,
            "server pipeline-parallel: two CPU stages (one core each), trainer on the CPU",
            opt_in=True, pipeline_parallel_size=2, unsupported=CPU_PP2_UNSUPPORTED),
-    Layout("2gpu-dp2", (0, 1), 1, None, ("shm",),
+    Layout("2gpu-dp2", (0, 1), 1, None,
            "server data-parallel over GPUs 0-1 (an engine core on each), trainer on the CPU "
            "(shm)", opt_in=True, data_parallel_size=2),
-    Layout("2gpu-pp2", (0, 1), 1, None, ("shm",),
+    Layout("2gpu-pp2", (0, 1), 1, None,
            "server pipeline-parallel over GPUs 0-1 (a stage on each), trainer on the CPU "
            "(shm)", opt_in=True, pipeline_parallel_size=2),
 ]}

@@ -13,9 +13,9 @@ what a run waits for and the pool starts them ahead. So this module schedules in
   the workers by estimated cost); worker K plans and starts only the servers of bin K,
   from its first second;
 * worker gw0 writes the partition (test id -> bin) where the controller reads it;
-* ``Scheduling`` (the controller) gives each worker the tests that need no server
-  first, a module at a time as it asks for them, then its own bin's tests in plan
-  order, all at once;
+* the controller's scheduler (``harness.run.scheduling``) gives each worker the tests
+  that need no server first, a module at a time as it asks for them, then its own
+  bin's tests in plan order, all at once;
 * each worker sends what the report and the summary need of its pool (servers
   started, restarts, resets, plan) back when it ends (``worker_output``), and the
   controller merges them into one report (``MergedPool``).
@@ -38,12 +38,11 @@ from typing import Any, Callable, Sequence
 
 from harness.run import partition
 from harness.run import plan as _plan
-from harness.run.pool import start_figures
+from harness.run.start_figures import start_figures
 from harness.run.start_slots import StartSlots
 
 DIR_ENV = "HARNESS_XDIST_DIR"   # set by the controller: where gw0 writes the partition
 MAX_WORKERS = 8
-PARTITION_WAIT_S = 180.0
 
 
 # ----------------------------------------------------------------------------- both sides
@@ -62,7 +61,7 @@ def plan_workers(asked, host: _plan.Host) -> int:
     return int(asked or 0)
 
 
-def ours(config) -> bool:
+def scheduled_here(config) -> bool:
     """This run is scheduled here: xdist is on with its default distribution."""
     return (config.getoption("dist", "no") == "load" and bool(config.getoption("tx", None))
             or DIR_ENV in os.environ and hasattr(config, "workerinput"))
@@ -81,10 +80,10 @@ def start_slots(config, host: Callable[[], _plan.Host]) -> StartSlots | None:
     run scheduled here with two workers or more; None elsewhere. ``host`` is asked only
     then: describing this host probes its GPUs, which a run of one process (a project
     that does not use the harness, say) must not pay for."""
-    share = worker(config)
-    if share is None or share[1] < 2:
+    this_worker = worker(config)
+    if this_worker is None or this_worker[1] < 2:
         return None
-    return StartSlots(os.environ[DIR_ENV], host().max_starting(), *share)
+    return StartSlots(os.environ[DIR_ENV], host().max_starting(), *this_worker)
 
 
 def share_threads(config) -> int | None:
@@ -96,12 +95,12 @@ def share_threads(config) -> int | None:
     with it and 18.4 s without (docs/planning.md). A user's ``OMP_NUM_THREADS`` is left
     to torch. Returns the count set, or None where nothing was set (no worker, one
     worker, OMP_NUM_THREADS given)."""
-    share = worker(config)
-    if share is None or share[1] < 2 or os.environ.get("OMP_NUM_THREADS"):
+    this_worker = worker(config)
+    if this_worker is None or this_worker[1] < 2 or os.environ.get("OMP_NUM_THREADS"):
         return None
     import torch
 
-    n = max(1, _plan.Host.this().cores // share[1])
+    n = max(1, _plan.Host.this().cores // this_worker[1])
     torch.set_num_threads(n)
     return n
 
@@ -121,7 +120,7 @@ class Partition:
     bins: list[list[partition.Group]]
     critical: partition.Group | None
 
-    def bin_of(self, needs: Sequence[_plan.Need | None]) -> list[int | None]:
+    def bin_of(self, needs: Sequence[_plan.ServerNeed | None]) -> list[int | None]:
         """Per test: its bin, or None for a test that needs no server."""
         out: list[int | None] = [None] * len(needs)
         for k, b in enumerate(self.bins):
@@ -135,7 +134,7 @@ class Partition:
         return [sum(g.cost for g in b if g.servers) for b in self.bins]
 
 
-def make_partition(needs: Sequence[_plan.Need | None], host: _plan.Host, n: int) -> Partition:
+def make_partition(needs: Sequence[_plan.ServerNeed | None], host: _plan.Host, n: int) -> Partition:
     gs = partition.groups(needs, host)
     servers = [g for g in gs if g.servers]
     if n > 1:
@@ -143,7 +142,7 @@ def make_partition(needs: Sequence[_plan.Need | None], host: _plan.Host, n: int)
     return Partition(partition.assign(servers, n), partition.critical_path(servers))
 
 
-def describe(p: Partition, needs: Sequence[_plan.Need | None], host: _plan.Host,
+def describe(p: Partition, needs: Sequence[_plan.ServerNeed | None], host: _plan.Host,
              free_tests: int) -> list[str]:
     """The partition as lines for ``--harness-plan``: per worker its servers, tests and
     estimated wall time, and the critical path."""
@@ -183,14 +182,6 @@ def describe(p: Partition, needs: Sequence[_plan.Need | None], host: _plan.Host,
 
 
 # ----------------------------------------------------------------------------- worker side
-
-def write_partition(bins: list[int | None], ids: Sequence[str]) -> None:
-    """gw0's partition, for the controller: test id -> bin (null: no server)."""
-    d = Path(os.environ[DIR_ENV])
-    tmp = d / "partition.json.tmp"
-    tmp.write_text(json.dumps(dict(zip(ids, bins))))
-    tmp.replace(d / "partition.json")
-
 
 def worker_output(state: Any) -> dict:
     """What the controller needs of a worker's pool, JSON-safe."""
@@ -395,151 +386,6 @@ class MergedPool:
 
     def start_figures(self) -> dict:
         return start_figures(self.started)
-
-
-class Scheduling:
-    """The controller's scheduler (pytest-xdist's protocol): tests without a server to
-    whichever worker asks, a few at a time; then each worker's own bin at once."""
-
-    CHUNK = 4
-
-    def __init__(self, config, log=None):
-        self.config = config
-        self.numnodes = len(config.getoption("tx"))
-        self.collection: list[str] | None = None
-        self.node2collection: dict = {}
-        self.node2pending: dict = {}
-        self.free: list[list[int]] = []   # the tests without a server, by module
-        self.own: dict[int, list[int]] = {}
-        self.orphans: list[int] = []
-        self.collection_is_completed = False
-        self._scheduled = False
-        self.log = log
-
-    # -- protocol
-    @property
-    def nodes(self):
-        return list(self.node2pending)
-
-    @property
-    def tests_finished(self) -> bool:
-        if not self.collection_is_completed or not self._scheduled:
-            return False
-        if self.free or self.orphans or any(self.own.values()):
-            return False
-        return all(len(p) < 2 for p in self.node2pending.values())
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self.free or self.orphans or any(self.own.values())
-                    or any(self.node2pending.values()))
-
-    def add_node(self, node) -> None:
-        self.node2pending[node] = []
-
-    def add_node_collection(self, node, collection) -> None:
-        collection = list(collection)
-        if self.collection is None:
-            self.collection = collection
-        elif collection != self.collection:
-            from xdist.report import report_collection_diff
-
-            raise RuntimeError(report_collection_diff(self.collection, collection,
-                                                      "gw0", node.gateway.id))
-        self.node2collection[node] = collection
-        if len(self.node2collection) >= self.numnodes:
-            self.collection_is_completed = True
-
-    def mark_test_complete(self, node, item_index, duration: float = 0) -> None:
-        self.node2pending[node].remove(item_index)
-        self._feed(node)
-
-    def mark_test_pending(self, item: str) -> None:
-        self.orphans.append(self.collection.index(item))
-        for node in self.nodes:
-            self._feed(node)
-
-    def remove_pending_tests_from_node(self, node, indices) -> None:
-        for i in indices:
-            self.node2pending[node].remove(i)
-        self.orphans += list(indices)
-
-    def remove_node(self, node):
-        pending = self.node2pending.pop(node)
-        self.orphans += self.own.pop(self._bin(node), [])
-        if not pending:
-            return None
-        crash = self.collection[pending.pop(0)]
-        self.orphans += pending
-        for other in self.nodes:
-            self._feed(other)
-        return crash
-
-    def schedule(self) -> None:
-        assert self.collection_is_completed
-        if self._scheduled:  # a worker that replaces a dead one: the orphans are its
-            for node in self.nodes:
-                self._feed(node)
-            return
-        bins = read_partition(self.collection)
-        modules: dict[str, list[int]] = {}
-        for i, b in enumerate(bins):
-            if b is None or b >= self.numnodes:
-                modules.setdefault(self.collection[i].split("::", 1)[0], []).append(i)
-            else:
-                self.own.setdefault(b, []).append(i)
-        # a module's tests go to one worker together: its module-scoped fixtures (a
-        # session killed once, then inspected by several tests) are made once
-        self.free = list(modules.values())
-        self._scheduled = True
-        for node in self.nodes:
-            self._feed(node)
-
-    # -- ours
-    def _bin(self, node) -> int:
-        return int(str(node.gateway.id).lstrip("gw"))
-
-    def _feed(self, node) -> None:
-        if node not in self.node2pending or getattr(node, "shutting_down", False):
-            return
-        pending = self.node2pending[node]
-        if len(pending) >= 2:
-            return
-        send: list[int] = []
-        if self.free:  # whole modules, at least CHUNK tests when there are that many
-            while self.free and len(send) < self.CHUNK:
-                send += self.free.pop(0)
-        elif self.own.get(self._bin(node)):
-            send = self.own.pop(self._bin(node))
-        elif self.orphans:
-            send, self.orphans = self.orphans[:self.CHUNK], self.orphans[self.CHUNK:]
-        if send:
-            pending.extend(send)
-            node.send_runtest_some(send)
-        # Nothing more for this worker: say so now, as xdist's own schedulers do. A worker
-        # runs a test only once it knows the next one (pytest's nextitem), so without
-        # this each worker's last test waited for every other worker's: in a GPU run all
-        # eight last tests began together at 582 s, their servers kept alive until then.
-        if not (self.free or self.orphans or self.own.get(self._bin(node))):
-            node.shutdown()
-
-
-def read_partition(collection: Sequence[str], wait: float = PARTITION_WAIT_S) -> list[int | None]:
-    """The bins gw0 wrote, in the collection's order (waits for the file: gw0 writes it
-    as its collection ends, the controller may ask first)."""
-    path = Path(os.environ[DIR_ENV]) / "partition.json"
-    deadline = time.monotonic() + wait
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"weight-sync-harness: worker gw0 wrote no partition to {path} "
-                               f"within {wait:.0f}s; run without -n to see why")
-        time.sleep(0.1)
-    bins = json.loads(path.read_text())
-    missing = [nid for nid in collection if nid not in bins]
-    if missing:
-        raise RuntimeError(f"weight-sync-harness: gw0's partition lacks {len(missing)} of the "
-                           f"collected tests, e.g. {missing[0]}")
-    return [bins[nid] for nid in collection]
 
 
 # ----------------------------------------------------------------------------- lines

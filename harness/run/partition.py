@@ -7,7 +7,7 @@ links (its case's server and the disk-loaded twin), closed over every test, with
 their tests in run order. Tests that need no server form one group of their own,
 which may be split freely.
 
-* ``groups`` finds them (union-find over the servers each ``plan.Need`` names);
+* ``groups`` finds them (union-find over the servers each ``plan.ServerNeed`` names);
 * ``split_long`` cuts a group that alone would outlast the run's fair share into
   replicas: the same configuration started in two bins, its tests divided between
   them (the twin's tests stay together, with the first replica), so that no one
@@ -63,13 +63,13 @@ def _costs(host: _plan.Host):
     return start(1), test
 
 
-def _cost(needs: Sequence[_plan.Need | None], tests: Sequence[int],
+def _cost(needs: Sequence[_plan.ServerNeed | None], tests: Sequence[int],
           servers: Sequence[ServerConfig], host: _plan.Host) -> float:
     start, test = _costs(host)
     return start * len(servers) + sum(test(needs[i]) for i in tests)
 
 
-def groups(needs: Sequence[_plan.Need | None], host: _plan.Host) -> list[Group]:
+def groups(needs: Sequence[_plan.ServerNeed | None], host: _plan.Host) -> list[Group]:
     """The groups of ``needs`` (None: a test that needs no server), in order of their
     first test; the tests without a server, if any, come first, as one group."""
     parent: dict[ServerConfig, ServerConfig] = {}
@@ -105,7 +105,7 @@ def groups(needs: Sequence[_plan.Need | None], host: _plan.Host) -> list[Group]:
     return out
 
 
-def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.Need | None],
+def split_long(gs: Sequence[Group], n: int, needs: Sequence[_plan.ServerNeed | None],
                host: _plan.Host) -> list[Group]:
     """Cut each server group that costs more than the fair share of ``n`` bins into
     replicas of about that share (at most ``n``). A replica keeps the order of its
@@ -186,7 +186,7 @@ def assign(gs: Sequence[Group], n: int) -> list[list[Group]]:
     return [sorted(b, key=lambda g: g.first) for b in bins]
 
 
-def shard(needs: Sequence[_plan.Need | None], host: _plan.Host, k: int, n: int) -> list[int]:
+def shard(needs: Sequence[_plan.ServerNeed | None], host: _plan.Host, k: int, n: int) -> list[int]:
     """Indices (in run order) of the tests in shard ``k`` of ``n`` (1-based): whole
     groups, no replicas (a replica would start a server on two machines)."""
     if not 1 <= k <= n:
@@ -194,7 +194,7 @@ def shard(needs: Sequence[_plan.Need | None], host: _plan.Host, k: int, n: int) 
     return sorted(i for g in assign(groups(needs, host), n)[k - 1] for i in g.tests)
 
 
-def describe(bins: list[list[Group]], needs: Sequence[_plan.Need | None], host: _plan.Host,
+def describe(bins: list[list[Group]], needs: Sequence[_plan.ServerNeed | None], host: _plan.Host,
              *, max_starting: int | None = None, max_alive: int | None = None) -> list[str]:
     """Every shard as lines for a terminal: its servers, tests, estimated cost and wall
     time on ``host`` (``harness.run.plan.simulate`` of that shard's own plan)."""

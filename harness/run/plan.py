@@ -142,7 +142,7 @@ def _ram_gib() -> float:
 # ----------------------------------------------------------------------------- needs
 
 @dataclasses.dataclass(frozen=True)
-class Need:
+class ServerNeed:
     """What one test needs of the pool: its case's server, and a disk-loaded twin."""
 
     test: str
@@ -167,7 +167,7 @@ def group_key(cfg: ServerConfig) -> tuple:
             cfg.quantization or "", cfg.enable_sleep_mode, cfg.api_server_count)
 
 
-def order_key(need: Need | None) -> tuple:
+def order_key(need: ServerNeed | None) -> tuple:
     """Sort key of a test: tests without a server first (they run while the first
     servers start), then by server; within a server the tests that may break it last,
     before them the tests that sleep or wake it (each waits for the GPU-memory lock,
@@ -200,7 +200,7 @@ class PlannedServer:
 
 @dataclasses.dataclass
 class Plan:
-    needs: list[Need]                  # in run order
+    needs: list[ServerNeed]                  # in run order
     servers: list[PlannedServer]       # in order of first use: the start order
     host: Host
     max_starting: int
@@ -237,7 +237,7 @@ class Plan:
         return d
 
 
-def make_plan(needs: list[Need], host: Host, *, max_starting: int | None = None,
+def make_plan(needs: list[ServerNeed], host: Host, *, max_starting: int | None = None,
               max_alive: int | None = None) -> Plan:
     """The plan for ``needs`` in the order given (``order_key`` sorts them)."""
     by_cfg: dict[ServerConfig, PlannedServer] = {}
@@ -286,7 +286,7 @@ class Schedule:
 
 
 def simulate(plan: Plan, start_seconds: Callable[[int], float],
-             test_seconds: Callable[[Need], float]) -> Schedule:
+             test_seconds: Callable[[ServerNeed], float]) -> Schedule:
     """Play the plan as the pool runs it: servers start in plan order, at most
     ``max_starting`` at once and ``max_alive`` alive; each test runs once its servers
     are up; a server stops after its last test. ``start_seconds(n)`` is a start's
@@ -354,14 +354,14 @@ TEST_SECONDS = {"gpu": 4.0, "cpu": 4.0}
 NO_SERVER_TEST_SECONDS = 0.2
 
 
-def estimates(host: Host) -> tuple[Callable[[int], float], Callable[[Need | None], float]]:
+def estimates(host: Host) -> tuple[Callable[[int], float], Callable[[ServerNeed | None], float]]:
     """(start_seconds(n), test_seconds(need)) for ``simulate`` on ``host``; a need of
     None is a test without a server."""
     kind = "gpu" if host.gpus else "cpu"
     alone, slowdown = START_ALONE[kind], START_SLOWDOWN[kind]
     measured, fallback = durations.table(kind), TEST_SECONDS[kind]
 
-    def test_seconds(need: Need | None) -> float:
+    def test_seconds(need: ServerNeed | None) -> float:
         if need is None:
             return NO_SERVER_TEST_SECONDS
         return measured.get(durations.function_of(need.test), fallback)

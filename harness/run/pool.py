@@ -38,7 +38,6 @@ import atexit
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import enum
 import logging
 import threading
 import time
@@ -48,6 +47,9 @@ from typing import Callable
 from harness import models
 from harness.core import measure
 from harness.trainer.handle import Trainer, TrainerError, TrainerSpec, trainer_env
+from harness.run.server_weights import ServerWeights, State
+# start_seconds_by_mode: the report reads it through this module
+from harness.run.start_figures import start_figures, start_seconds_by_mode  # noqa: F401
 from harness.run.start_slots import Abandoned, StartSlots
 from harness.trainer.spares import Spares, TrainerProcesses
 from harness.vllm import reaper
@@ -68,30 +70,6 @@ class NeedsFreshServer(RuntimeError):
     """A never-synced server is needed, and the attached one cannot be restarted."""
 
 
-class State(enum.Enum):
-    DUMMY = "dummy weights (never synced)"
-    RESET = "dummy-equivalent weights pushed back (reset)"
-    SYNCED = "synced"
-    CORRUPTED = "deliberately corrupted update"
-    INCOMPLETE = "sync did not complete"
-
-
-@dataclasses.dataclass(frozen=True)
-class Holding:
-    """What a server's weights are: ``weights`` (a directory) in ``state``."""
-
-    state: State = State.DUMMY
-    weights: str | None = None
-
-    def holds(self, weights: str) -> bool:
-        return self.state is State.SYNCED and self.weights == weights
-
-    @property
-    def fresh(self) -> bool:
-        """Never synced, or reset to dummy-equivalent weights since."""
-        return self.state in (State.DUMMY, State.RESET)
-
-
 class ServerPool:
     def __init__(self, log_dir: Path, *, start_timeout: float, max_alive: int,
                  max_starting: int | None = None, url: str | None = None, reap: bool = True,
@@ -109,8 +87,8 @@ class ServerPool:
         self.max_starting = max(1, min(max_starting or self.max_alive, self.max_alive))
         self.t0 = time.monotonic()
         self.servers: dict[ServerConfig, VLLMServer] = {}
-        self.holding: dict[ServerConfig, Holding] = {}
-        self.poisoned: dict[ServerConfig, str] = {}
+        self.server_weights: dict[ServerConfig, ServerWeights] = {}
+        self.unavailable: dict[ServerConfig, str] = {}
         self.started: list[dict] = []         # one record per server start, for reports
         self.restarts: list[dict] = []        # starts of a configuration started before
         self.resets: list[dict] = []          # dummy-equivalent weights pushed back
@@ -181,10 +159,10 @@ class ServerPool:
                 if (len(self._starting) >= self.max_starting
                         or len(self.servers) + len(self._starting) >= self.max_alive):
                     break
-                if cfg in self.servers or cfg in self._starting or cfg in self.poisoned:
+                if cfg in self.servers or cfg in self._starting or cfg in self.unavailable:
                     continue
                 self._submit(cfg)
-            idle = not any(c not in self.servers and c not in self.poisoned for c in self._plan)
+            idle = not any(c not in self.servers and c not in self.unavailable for c in self._plan)
         if self.slots is not None:
             self.slots.idle(idle)
 
@@ -199,13 +177,13 @@ class ServerPool:
 
     def _start_job(self, cfg: ServerConfig, ticket: int | None = None) -> VLLMServer:
         """A start in the background: the server joins ``servers`` once it is up (or
-        its configuration is poisoned), and the next planned start may begin."""
+        its configuration is unavailable), and the next planned start may begin."""
         try:
             srv = self._start(cfg, ticket)
         except ServerError as e:
             with self._lock:
                 self._starting.pop(cfg, None)
-                self.poisoned[cfg] = (f"the server for this configuration failed to start "
+                self.unavailable[cfg] = (f"the server for this configuration failed to start "
                                       f"earlier; not retried:\n{e}")
             self._start_ahead()
             raise
@@ -223,7 +201,7 @@ class ServerPool:
         with self._lock:
             self._starting.pop(cfg, None)
             self.servers[cfg] = srv
-            self.holding[cfg] = Holding()
+            self.server_weights[cfg] = ServerWeights()
         self._start_ahead()
         return srv
 
@@ -356,19 +334,19 @@ class ServerPool:
         if self.url:
             srv = self.servers.get(cfg) or VLLMServer.attach(self.url, cfg)
             # one server stands for every configuration: its weights are one state
-            if new_engine and any(h.state is not State.DUMMY for h in self.holding.values()):
+            if new_engine and any(h.state is not State.DUMMY for h in self.server_weights.values()):
                 raise NeedsFreshServer("needs a brand-new engine; an attached server "
                                        "(--vllm-url) cannot be restarted")
             self.servers[cfg] = srv
             return srv
-        if cfg in self.poisoned:
-            raise ServerUnavailable(self.poisoned[cfg])
+        if cfg in self.unavailable:
+            raise ServerUnavailable(self.unavailable[cfg])
         srv = self.servers.get(cfg)
         if srv is not None and not srv.alive():
             raise ServerUnavailable(self.mark_dead(cfg))
-        if srv is not None and new_engine and self.holding_of(cfg).state is not State.DUMMY:
+        if srv is not None and new_engine and self.weights_of(cfg).state is not State.DUMMY:
             self._stop(cfg, f"{user} needs a brand-new engine, and the server held "
-                            f"{self.holding_of(cfg).state.value}")
+                            f"{self.weights_of(cfg).state.value}")
             srv = None
         if srv is None:
             srv = self._wait_or_start(cfg, user)
@@ -389,7 +367,7 @@ class ServerPool:
                 future = self._submit(cfg)
             if self.slots is not None and self._tickets.get(cfg) is not None:
                 self.slots.hurry(self._tickets[cfg])   # a test waits for it now
-        srv = future.result()  # a failed start raises, and its configuration is poisoned
+        srv = future.result()  # a failed start raises, and its configuration is unavailable
         with self._lock:
             self.servers.setdefault(cfg, srv)
         return srv
@@ -413,19 +391,19 @@ class ServerPool:
         why = (f"the server for this configuration died{when} (exit code "
                f"{srv.exit_code()}); it is not restarted, so every later test that needs "
                f"it fails with this cause:\n{srv.describe_failure()}")
-        self.poisoned[cfg] = why
+        self.unavailable[cfg] = why
         try:
             self._stop(cfg, "it died")  # engine core or workers may outlive the API server
         except ServerError as e:
-            self.poisoned[cfg] = why = f"{why}\n{e}"
+            self.unavailable[cfg] = why = f"{why}\n{e}"
         return why
 
     # ------------------------------------------------------------------ weights
-    def holding_of(self, cfg: ServerConfig) -> Holding:
-        return self.holding.get(cfg, Holding())
+    def weights_of(self, cfg: ServerConfig) -> ServerWeights:
+        return self.server_weights.get(cfg, ServerWeights())
 
-    def set_holding(self, cfg: ServerConfig, state: State, weights: str | None) -> None:
-        self.holding[cfg] = Holding(state, weights)
+    def record_weights(self, cfg: ServerConfig, state: State, weights: str | None) -> None:
+        self.server_weights[cfg] = ServerWeights(state, weights)
 
     # ------------------------------------------------------------------ trainers
     def trainer(self, cfg: ServerConfig, spec: TrainerSpec) -> Trainer:
@@ -438,7 +416,7 @@ class ServerPool:
         t = self.trainers.get(key)
         if t is None:
             for other in [k for k in self.trainers if k[0] == cfg]:
-                self.trainers.pop(other).retire()
+                self.trainers.pop(other).close_in_background()
             srv = self.servers[cfg]
             t = self.trainers[key] = Trainer(spec, log_dir=self.log_dir,
                                              context=srv.describe_failure, api_key=cfg.api_key,
@@ -453,7 +431,7 @@ class ServerPool:
         """End this server's trainers (their groups end with them): retired, where the
         group is the trainer's own, so that the caller does not wait for them to exit."""
         for key in [k for k in self.trainers if k[0] == cfg]:
-            self.trainers.pop(key).retire()
+            self.trainers.pop(key).close_in_background()
 
     # ------------------------------------------------------------------ stop
     def discard(self, cfg: ServerConfig, why: str = "its state could not be trusted") -> None:
@@ -466,7 +444,7 @@ class ServerPool:
         self.drop_trainers(cfg)
         with self._lock:
             srv = self.servers.pop(cfg, None)
-            self.holding.pop(cfg, None)
+            self.server_weights.pop(cfg, None)
             self._stopped_why[cfg] = why
         if srv is not None:
             srv.stop()
@@ -519,32 +497,3 @@ class ServerPool:
         """Server starts: how many, their sum, and the wall time during which at least
         one server was starting (less than the sum when they start side by side)."""
         return start_figures(self.started)
-
-
-def start_seconds_by_mode(started: list[dict]) -> dict[str, dict]:
-    """Per serving mode: servers started and their start seconds (mean, max), for
-    what each mode costs; starts side by side contend for the cores, so compare modes
-    within one run."""
-    out: dict[str, dict] = {}
-    for mode in sorted({s.get("mode", "eager") for s in started}):
-        secs = [s["start_seconds"] for s in started
-                if s.get("mode", "eager") == mode and s.get("start_seconds") is not None]
-        if secs:
-            out[mode] = {"servers": len(secs), "mean": round(sum(secs) / len(secs), 1),
-                         "max": round(max(secs), 1)}
-    return out
-
-
-def start_figures(started: list[dict]) -> dict:
-    total = sum(s["start_seconds"] or 0 for s in started)
-    wall, end = 0.0, None
-    for a, b in sorted((s["started_at"], s["ready_at"]) for s in started if "ready_at" in s):
-        if end is None or a > end:
-            wall += b - a
-            end = b
-        elif b > end:
-            wall += b - end
-            end = b
-    return {"servers_started": len(started), "start_seconds_sum": round(total, 1),
-            "start_wall_seconds": round(wall, 1),
-            "restarts": sum(1 for s in started if "restart_reason" in s)}

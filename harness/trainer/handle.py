@@ -43,6 +43,7 @@ import unittest
 from pathlib import Path
 from typing import Any, Callable
 
+from harness import transfer
 from harness.portable import corrupt as _portable_corrupt
 from harness.trainer.spares import SCRATCH_ENV, Spare, TrainerProcesses, kill_session, spawn_child
 
@@ -81,10 +82,14 @@ VLLM_CODE_OPTIONS = ("device", "packed_buffer_size_bytes", "packed_num_buffers",
 # The options a trainer of your own takes (harness.trainer.user): the child's; the
 # harness path's (holds, delays, workarounds) it cannot honour, so a test asking is skipped.
 USER_CODE_OPTIONS = ("device", "recover_in_place")
-# Engines whose trainer survives a failed sync: it closes its group and opens a new one
-# with the next sync (see trainer_child._child_main); an NCCL trainer is ended instead,
-# and so is any trainer whose options say {"recover_in_place": False}.
-RECOVERS_IN_PLACE = ("ipc", "shm")
+
+
+def recovers_in_place(engine: str) -> bool:
+    """Does a trainer of ``engine`` survive a failed sync? It closes its group and opens
+    a new one with the next sync (see child._child_main) where its backend says so
+    (``Backend.recovers_in_place``); other trainers are ended instead, and so is any
+    trainer whose options say {"recover_in_place": False}."""
+    return transfer.backend(engine).recovers_in_place
 
 
 class TrainerError(RuntimeError):
@@ -104,7 +109,7 @@ class TrainerSpec:
     (and per set of init options)."""
 
     url: str
-    engine: str                      # shm | nccl | ipc
+    engine: str                      # the weight-transfer engine (harness.transfer)
     packed: bool
     dtype: str = "float32"
     device: str = "cpu"
@@ -142,7 +147,7 @@ class Trainer:
                  api_key: str | None = None, processes: TrainerProcesses | None = None,
                  spares: bool = True, spare: Spare | None = None):
         self.spec = spec
-        # the run's spares and retired trainers (None: no spares, and retire waits)
+        # the run's spares and exiting trainers (None: no spares, and close_in_background waits)
         self.processes = processes
         self.spares = spares  # take over one of the run's spares, and start the next one
         self.log_dir = Path(log_dir)
@@ -173,7 +178,7 @@ class Trainer:
         env = trainer_env(self.env, self.api_key)
         t0 = time.monotonic()
         if self.processes is not None:
-            self.processes.retiring.poll()
+            self.processes.exiting.poll()
         spec = dataclasses.asdict(self.spec)
         spare, self._own_spare = self._own_spare, None
         if spare is not None and spare.proc.poll() is not None:
@@ -309,13 +314,13 @@ class Trainer:
                 pass
         self.kill()
 
-    def retire(self) -> None:
+    def close_in_background(self) -> None:
         """Like ``close``, without waiting: the child is asked to exit and left to do
         it (a process with a CUDA context takes seconds to end) while the caller goes
-        on; the run's ``Retiring`` reaps it, and kills it if it outlives its grace. Only for an
-        engine whose group is the trainer's own (IPC handles, shm buckets); an NCCL
+        on; the run's ``ExitingTrainers`` reaps it, and kills it if it outlives its grace.
+        Only for an engine whose group is the trainer's own (IPC handles, shm buckets); an NCCL
         trainer, whose group spans the server, is closed and waited for."""
-        if (self.spec.engine not in RECOVERS_IN_PLACE or not self.alive()
+        if (not recovers_in_place(self.spec.engine) or not self.alive()
                 or self.processes is None):
             self.close()
             return
@@ -326,7 +331,7 @@ class Trainer:
         except OSError:
             self.kill()
             return
-        self.processes.retiring.add(self.proc, self._results, self.scratch)
+        self.processes.exiting.add(self.proc, self._results, self.scratch)
         self.proc, self._results, self.scratch = None, None, None
 
     def kill(self) -> None:
@@ -357,8 +362,8 @@ def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = No
                 context: Callable[[], str] | None = None, api_key: str | None = None,
                 processes: TrainerProcesses | None = None) -> dict:
     """One sync by a trainer of its own (a fresh process and group, one of the run's
-    spares where ``processes`` keeps them), then gone: retired (``Trainer.retire``) when it
-    was given a log directory and the run's ``processes``, else closed before the
+    spares where ``processes`` keeps them), then gone: closed in the background
+    (``Trainer.close_in_background``) when it was given a log directory and the run's ``processes``, else closed before the
     temporary one holding its log is removed. ``close_seconds`` in the result: how long
     the caller waited for that."""
     with tempfile.TemporaryDirectory(prefix="harness-trainer-") as tmp:
@@ -371,6 +376,6 @@ def run_trainer(spec: TrainerSpec, weights_dir: str, *, corrupt: str | None = No
             t.close()
             raise
         t0 = time.monotonic()
-        t.retire() if log_dir is not None else t.close()
+        t.close_in_background() if log_dir is not None else t.close()
         result["close_seconds"] = time.monotonic() - t0
         return result

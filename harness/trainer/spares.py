@@ -1,6 +1,6 @@
 """The trainer processes a run keeps beside the one each server talks to: spares started
 ahead (``Spares``), so that a test needing a fresh trainer does not wait for its imports,
-and retired trainers left to exit on their own (``Retiring``). ``TrainerProcesses`` holds
+and retired trainers left to exit on their own (``ExitingTrainers``). ``TrainerProcesses`` holds
 both for one run: the pytest session owns it, and stops them at its end.
 
 Both are used from several threads at once (a test's trainer, the pool's start threads
@@ -66,9 +66,9 @@ def spawn_child(args: list[str], env: dict, log_dir: Path, what: str
     return proc, Path(log_path), scratch, read_end
 
 
-class Retiring:
-    """Trainers told to exit and not waited for (``Trainer.retire``): each is reaped
-    when it has exited, and its session killed once its grace has passed; ``drain``
+class ExitingTrainers:
+    """Trainers told to exit and not waited for (``Trainer.close_in_background``): each
+    is reaped when it has exited, and its session killed once its grace has passed; ``drain``
     (end of run) waits for the rest within their grace, then kills them."""
 
     def __init__(self, grace: float = 30.0) -> None:
@@ -233,10 +233,10 @@ class TrainerProcesses:
 
     def __init__(self, spares: int = 0, log_dir: Path | None = None) -> None:
         self.spares = Spares(spares, log_dir)
-        self.retiring = Retiring()
+        self.exiting = ExitingTrainers()
 
     def close(self) -> None:
         try:
             self.spares.close()
         finally:
-            self.retiring.drain()
+            self.exiting.drain()

@@ -1,11 +1,17 @@
-"""Weight-transfer backend variants, as data.
+"""Weight-transfer backends: what each engine is, as one object per engine.
 
-A variant is what a test is parametrized over: the engine vLLM is started with
-(``--weight-transfer-config '{"backend": engine}'``), whether the data plane is
-packed, and what hardware it needs. Each engine's trainer side is a class
-``Sender`` in its own module here (``shm``, ``nccl``, ``ipc``), which drives that
-engine's one sender in ``harness.portable`` (the code the repro scripts copy) with
-the life of an RL trainer's transfer group: ``init()`` once (the
+A ``Backend`` holds everything the harness knows about one weight-transfer engine
+(the name vLLM is started with: ``--weight-transfer-config '{"backend": engine}'``):
+its variants (what a test is parametrized over: packed or not, the hardware it
+needs), the layouts it runs on, how vLLM's own engine module and trainer API are
+named where the engine is vLLM's, whether the server must accept pickled payloads,
+whether a trainer survives a failed sync, the init info a trainer of your own gets,
+its sender for the harness and for the emitted repro script, and the bench's raw
+limit. Each engine's module here (``nccl``, ``ipc``, ``shm``) exports one as
+``BACKEND``; ``harness.transfer.registry`` finds them (vLLM's own engines built in,
+any other through the ``weight_sync_harness.backends`` entry point, as ``shm`` is).
+
+Each engine's trainer side is a ``Sender`` class: ``init()`` once (the
 ``/init_weight_transfer_engine`` call, plus the NCCL rendezvous), then ``send()``
 for every update (``/start_weight_update``, ``/update_weights``...,
 ``/finish_weight_update``), then ``close()``. Every ``send`` returns a
@@ -14,37 +20,48 @@ for every update (``/start_weight_update``, ``/update_weights``...,
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-import importlib
+from typing import Callable
+
+from harness.transfer import registry
+from harness.transfer.backend import Backend, BackendVariant, ScriptSender
+
+__all__ = ["Backend", "BackendVariant", "ScriptSender", "VARIANTS", "SHORTHANDS", "variant",
+           "backend", "SendResult", "sender_class", "cuda_device", "check_on_device",
+           "send_result"]
 
 
-@dataclasses.dataclass(frozen=True)
-class BackendVariant:
-    id: str
-    engine: str
-    packed: bool
-    needs_gpu: bool
-    trainer_on_server_gpu: bool  # CUDA IPC handles only open on the GPU that made them
-    description: str
+class _Lazy(collections.abc.Mapping):
+    """A read-only mapping filled from the registry on first use, so that importing
+    this package loads no third-party backend."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build = build
+
+    def _data(self) -> dict:
+        return self._build(registry)
+
+    def __getitem__(self, key):
+        return self._data()[key]
+
+    def __iter__(self):
+        return iter(self._data())
+
+    def __len__(self) -> int:
+        return len(self._data())
+
+    def __repr__(self) -> str:
+        return repr(self._data())
 
 
-VARIANTS: dict[str, BackendVariant] = {v.id: v for v in [
-    BackendVariant("shm", "shm", False, False, False,
-                   "reference backend: safetensors buckets on tmpfs, CPU or GPU"),
-    BackendVariant("nccl-packed", "nccl", True, True, False,
-                   "NCCL broadcast of packed buffers, trainer on its own GPU"),
-    BackendVariant("nccl-unpacked", "nccl", False, True, False,
-                   "NCCL broadcast tensor by tensor, trainer on its own GPU"),
-    BackendVariant("ipc-packed", "ipc", True, True, True,
-                   "CUDA IPC handles to packed buffers, pickled over HTTP"),
-    BackendVariant("ipc-unpacked", "ipc", False, True, True,
-                   "CUDA IPC handle per tensor, pickled over HTTP"),
-]}
-
-
-# The words the harness commands take for a variant, besides its id: an engine's name
-# alone means its packed variant (harness demo and harness repro alike).
-SHORTHANDS: dict[str, str] = {"nccl": "nccl-packed", "ipc": "ipc-packed"}
+# Every variant of every registered backend, by id; and the words the harness commands
+# take for a variant besides its id (an engine's name alone means its shorthand variant).
+VARIANTS: collections.abc.Mapping[str, BackendVariant] = _Lazy(
+    lambda r: {v.id: v for b in r.backends().values() for v in b.variants})
+SHORTHANDS: collections.abc.Mapping[str, str] = _Lazy(
+    lambda r: {b.engine: b.shorthand for b in r.backends().values()
+               if b.shorthand and b.shorthand != b.engine})
 
 
 def variant(name: str) -> BackendVariant:
@@ -52,6 +69,11 @@ def variant(name: str) -> BackendVariant:
         return VARIANTS[name]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+def backend(engine: str) -> Backend:
+    """The registered backend of ``engine``; ValueError naming the known ones."""
+    return registry.backend(engine)
 
 
 @dataclasses.dataclass
@@ -73,7 +95,7 @@ class SendResult:
 
 def sender_class(engine: str):
     """The trainer-side ``Sender`` for ``engine`` (imported in the trainer process only)."""
-    return importlib.import_module(f"harness.transfer.{engine}").Sender
+    return backend(engine).sender_class()
 
 
 def cuda_device(options: dict, error: type[Exception], why: str):

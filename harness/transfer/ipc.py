@@ -27,8 +27,38 @@ from typing import Any
 from harness import transfer
 from harness.core.facts import update_info
 from harness.portable.send_ipc import IpcSender  # the scripts' own
-from harness.transfer import check_on_device, cuda_device
+from harness.transfer import Backend, BackendVariant, ScriptSender, check_on_device, cuda_device
 from harness.vllm import api as vllm_api
+
+ENGINE = "ipc"
+_MODULE = "vllm.distributed.weight_transfer.ipc_engine"
+VLLM_API = vllm_api.EngineApi(
+    module=_MODULE, init_info="IPCTrainerInitInfo", update_info="IPCWeightTransferUpdateInfo",
+    extra=(("IPCTrainerSendWeightsArgs", _MODULE, "IPCTrainerSendWeightsArgs"),
+           ("IPCWeightTransferEngine.trainer_send_weights", _MODULE,
+            "IPCWeightTransferEngine.trainer_send_weights")),
+    static=("IPCWeightTransferEngine.trainer_send_weights",),
+    static_sender="IPCWeightTransferEngine.trainer_send_weights",
+    static_words=("IPCWeightTransferEngine.trainer_send_weights(iter(ModuleSource), "
+                  "{'send_mode': 'http'}) between HTTPVLLMWeightSyncClient's "
+                  "start_weight_update and finish_weight_update"))
+
+BACKEND = Backend(
+    engine=ENGINE,
+    description="vLLM's CUDA IPC engine: handles to the trainer's tensors on the server's GPU",
+    variants=(BackendVariant("ipc-packed", ENGINE, True, True, True,
+                             "CUDA IPC handles to packed buffers, pickled over HTTP"),
+              BackendVariant("ipc-unpacked", ENGINE, False, True, True,
+                             "CUDA IPC handle per tensor, pickled over HTTP")),
+    sender="harness.transfer.ipc:Sender",
+    layouts=("1gpu-colocated", "2gpu-ipc-gpu1"),
+    shorthand="ipc-packed",
+    vllm_api=VLLM_API,
+    insecure_serialization=True,  # the handles travel pickled in /update_weights
+    script=ScriptSender(("send_ipc", "trainer_api")),
+    raw_limit="d2d",
+    raw_limit_words="device-to-device copy",
+)
 
 
 API_WORDS = {"factory": "trainer engine", "static": "static API"}  # as nccl.py says them
@@ -47,7 +77,7 @@ class Sender:
     def __init__(self, client, *, packed: bool, options: dict):
         import torch
 
-        self.caps, self.path = vllm_api.sender_path("ipc", IpcSendError)
+        self.caps, self.path = vllm_api.sender_path(ENGINE, {ENGINE: VLLM_API}, IpcSendError)
         self.device = cuda_device(options, IpcSendError, "CUDA IPC shares CUDA memory")
         # vLLM reads the current device to name the GPU (its UUID) in every handle.
         torch.cuda.set_device(self.device)
@@ -56,7 +86,8 @@ class Sender:
         geometry = ({"packed_buffer_size_bytes": int(options["packed_buffer_size_bytes"])}
                     if options.get("packed_buffer_size_bytes") else {})
         self.vllm = (None if self.path == "raw" else
-                     IpcSender(self.rc, packed=packed, api=self.path, geometry=geometry))
+                     IpcSender(self.rc, engine=ENGINE, packed=packed, api=self.path,
+                               geometry=geometry))
 
     def init(self) -> None:
         if self.vllm is not None:

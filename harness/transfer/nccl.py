@@ -37,8 +37,58 @@ from harness import transfer
 from harness.core.facts import free_port
 from harness.portable.base import Unusable
 from harness.portable.send_nccl import NcclSender, StepTimeout  # the scripts' own
-from harness.transfer import check_on_device, cuda_device
+from harness.transfer import Backend, BackendVariant, ScriptSender, check_on_device, cuda_device
 from harness.vllm import api as vllm_api
+
+ENGINE = "nccl"
+_MODULE = "vllm.distributed.weight_transfer.nccl_engine"
+VLLM_API = vllm_api.EngineApi(
+    module=_MODULE, init_info="NCCLTrainerInitInfo", update_info="NCCLWeightTransferUpdateInfo",
+    extra=(("NCCLTrainerSendWeightsArgs", _MODULE, "NCCLTrainerSendWeightsArgs"),
+           ("NCCLWeightTransferEngine.trainer_send_weights", _MODULE,
+            "NCCLWeightTransferEngine.trainer_send_weights"),
+           ("NCCLWeightTransferEngine.trainer_init", _MODULE,
+            "NCCLWeightTransferEngine.trainer_init"),
+           ("nccl_common.trainer_init", "vllm.distributed.weight_transfer.nccl_common",
+            "trainer_init")),
+    static=("nccl_common.trainer_init", "NCCLWeightTransferEngine.trainer_send_weights"),
+    static_sender="NCCLWeightTransferEngine.trainer_send_weights",
+    no_factory_words=("has no NCCL trainer engine in its trainer factory (its NCCL trainer API "
+                      "is the static nccl_common.trainer_init + trainer_send_weights, with the "
+                      "routes and their threads written by the trainer); the vllm trainer path "
+                      "runs NCCL only through the factory, the harness path covers the static one"))
+
+
+def user_init_info(url: str, timeout: float, api_key: str | None, scratch: str) -> dict:
+    """A trainer of your own joins the group as rank 0 beside every server rank."""
+    from harness.vllm.client import ServerClient
+
+    world = ServerClient(url, timeout=timeout, api_key=api_key).world_size()
+    return {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"),
+            "world_size": world + 1, "rank_offset": 1}
+
+
+BACKEND = Backend(
+    engine=ENGINE,
+    description="vLLM's NCCL engine: the trainer on a GPU of its own broadcasts to every rank",
+    variants=(BackendVariant("nccl-packed", ENGINE, True, True, False,
+                             "NCCL broadcast of packed buffers, trainer on its own GPU"),
+              BackendVariant("nccl-unpacked", ENGINE, False, True, False,
+                             "NCCL broadcast tensor by tensor, trainer on its own GPU")),
+    sender="harness.transfer.nccl:Sender",
+    layouts=("2gpu-split", "3gpu-tp2"),
+    shorthand="nccl-packed",
+    vllm_api=VLLM_API,
+    # A failed sync leaves the group mid-collective: the trainer is ended, not reused.
+    recovers_in_place=False,
+    # A twin takes no update, so its engine is only a launch flag: NCCL cases share the
+    # IPC server's twin on one GPU layout, one start fewer in a run that selects both.
+    twin_engine="ipc",
+    user_init_info=user_init_info,
+    script=ScriptSender(("send_nccl", "trainer_api")),
+    raw_limit="nccl",
+    raw_limit_words="NCCL broadcast",
+)
 
 API_WORDS = {"factory": "trainer engine", "static": "static API"}
 # Where each path hands vLLM the packed-buffer geometry (0.26 reads it in each update too,
@@ -66,7 +116,7 @@ class Sender:
     """
 
     def __init__(self, client, *, packed: bool, options: dict):
-        self.caps, self.path = vllm_api.sender_path("nccl", NcclSendError)
+        self.caps, self.path = vllm_api.sender_path(ENGINE, {ENGINE: VLLM_API}, NcclSendError)
         # before any route: a CPU trainer is refused up front
         self.device = cuda_device(options, NcclSendError, "NCCL sends from a CUDA device")
         if packed and self.path == "raw":
@@ -81,7 +131,7 @@ class Sender:
                                                       "packed_num_buffers") if options.get(k)}
         for name in GEOMETRY_TAKEN_BY.get(self.path, ()) if self.geometry else ():
             # a geometry option this vLLM does not know is an error, not dropped silently
-            fields = {f.name for f in dataclasses.fields(vllm_api.lookup(name))}
+            fields = {f.name for f in dataclasses.fields(vllm_api.lookup(name, {ENGINE: VLLM_API}))}
             unknown = sorted(set(self.geometry) - fields)
             if unknown:
                 raise NcclSendError(f"{name} has no field(s) {unknown} in this vLLM")
@@ -106,7 +156,7 @@ class Sender:
         world_size = self.forced_world_size or int(self.client.world_size()) + 1
         # raw drives the routes as the static path does, around a group and broadcast of its own
         sender = _RawSender if self.path == "raw" else NcclSender
-        self.vllm = sender(self.client, packed=self.packed,
+        self.vllm = sender(self.client, engine=ENGINE, packed=self.packed,
                            api="static" if self.path == "raw" else self.path,
                            device=self.device, world_size=world_size, timeout=self.timeout,
                            master_port=self.master_port)

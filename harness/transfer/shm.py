@@ -38,6 +38,7 @@ from typing import Any
 
 # one sender for the harness and the repro scripts: the bucket loop is the scripts' own
 from harness.portable.send_shm import DEFAULT_BUCKET_BYTES, send_buckets
+from harness.transfer import Backend, BackendVariant, ScriptSender
 
 BACKEND_NAME = "shm"
 ENGINE_CLASS = "ShmWeightTransferEngine"
@@ -77,6 +78,31 @@ def register_trainer() -> tuple[bool, str]:
                                                      TRAINER_ENGINE_CLASS)
     return True, (f"{TRAINER_ENGINE_MODULE}.{TRAINER_ENGINE_CLASS} registered with "
                   "WeightTransferTrainerFactory as 'shm'")
+
+
+def user_init_info(url: str, timeout: float, api_key: str | None, scratch: str) -> dict:
+    """A trainer of your own gets a fresh directory for its buckets, in its scratch."""
+    return {"root": tempfile.mkdtemp(prefix="shm-", dir=scratch)}
+
+
+# Registered through the entry point group weight_sync_harness.backends (pyproject.toml),
+# as a backend of yours would be.
+BACKEND = Backend(
+    engine=BACKEND_NAME,
+    description="the harness's reference engine: safetensors buckets on tmpfs, CPU or GPU",
+    variants=(BackendVariant("shm", BACKEND_NAME, False, False, False,
+                             "reference backend: safetensors buckets on tmpfs, CPU or GPU"),),
+    sender="harness.transfer.shm:Sender",
+    layouts=("cpu", "1gpu-colocated", "2gpu-split", "3gpu-tp2", "cpu-tp2", "cpu-dp2",
+             "cpu-pp2", "2gpu-dp2", "2gpu-pp2"),
+    vllm_plugin="harness.transfer.shm",
+    trainer_init_info="ShmTrainerInitInfo",
+    user_init_info=user_init_info,
+    script=ScriptSender(("send_shm", "bucketing"), engine_file=True),
+    raw_limit="host",
+    raw_limit_words="host memory copy",
+    workarounds=("reprocess_tied",),
+)
 
 
 def default_root() -> Path:

@@ -43,7 +43,9 @@ import math
 import time
 from typing import Any
 
+from harness import transfer
 from harness.core.facts import free_port, torch_dtype_name
+from harness.transfer import ipc, registry, shm
 from harness.vllm import api as vllm_api
 
 WRAPS = ("compile", "data_parallel")
@@ -180,18 +182,18 @@ class SeedTrainer:
         self.url, self.engine_name, self.packed = url.rstrip("/"), engine, packed
         self.device, self.options = device, options
         self.registration = None
-        if engine == "shm":
-            from harness.transfer import shm
-
+        backend = transfer.backend(engine)
+        self.api = backend.vllm_api
+        if engine == shm.BACKEND_NAME:  # vLLM's factory takes the shm trainer engine once registered
             ok, self.registration = shm.register_trainer()
             if not ok:
                 raise Unavailable(f"vLLM's trainer code cannot run shm here: "
                                   f"{self.registration}")
-        self.caps = vllm_api.probe()
-        self.path, self.what = vllm_api.trainer_code_path(engine, self.caps)
+        self.caps = registry.probe()
+        self.path, self.what = registry.trainer_code_path(engine, self.caps)
         if self.path is None:
             raise Unavailable(self.what)
-        if engine in ("ipc", "nccl"):
+        if backend.needs_gpu:
             import torch
 
             if not device.startswith("cuda") or not torch.cuda.is_available():
@@ -226,9 +228,12 @@ class SeedTrainer:
                                                WeightTransferConfig(backend=self.engine_name),
                                                info, client=self.client, source=source)
 
+    def _lookup(self, name: str) -> Any:
+        return vllm_api.lookup(name, {self.engine_name: self.api})
+
     def _init_info(self) -> Any:
         o = self.options
-        if self.engine_name == "shm":
+        if self.engine_name == shm.BACKEND_NAME:
             from harness.transfer.shm_trainer_engine import ShmTrainerInitInfo
 
             kw: dict[str, Any] = {"packed": self.packed}
@@ -239,13 +244,13 @@ class SeedTrainer:
             return ShmTrainerInitInfo(rank=0, **kw)
         geometry = {k: int(o[k]) for k in ("packed_buffer_size_bytes", "packed_num_buffers")
                     if o.get(k)}
-        if self.engine_name == "ipc":
-            return vllm_api.lookup("IPCTrainerInitInfo")(rank=0, packed=self.packed, **geometry)
+        if self.engine_name == ipc.ENGINE:
+            return self._lookup(self.api.init_info)(rank=0, packed=self.packed, **geometry)
         import requests  # as the examples ask the server for its ranks
 
         world = int(requests.get(f"{self.url}/get_world_size", timeout=60).json()["world_size"])
         address = o.get("master_address") or "127.0.0.1"
-        return vllm_api.lookup("NCCLTrainerInitInfo")(
+        return self._lookup(self.api.init_info)(
             rank=0, master_address=address, master_port=int(o.get("nccl_port")
                                                             or free_port(address)),
             world_size=world + 1, packed=self.packed, **geometry)
@@ -254,7 +259,7 @@ class SeedTrainer:
         """One update of what ``source`` holds now; returns what was sent."""
         t0 = time.monotonic()
         if self.path == "static":
-            send_weights = vllm_api.lookup("IPCWeightTransferEngine.trainer_send_weights")
+            send_weights = self._lookup(self.api.static_sender)
             geometry = {k: int(self.options[k]) for k in ("packed_buffer_size_bytes",)
                         if self.options.get(k)}
             self.client.start_weight_update()

@@ -36,36 +36,62 @@ mtp_guard = _reload.mtp_guard
 
 _WT = "vllm.distributed.weight_transfer"
 PROBE_TIMEOUT_S = 120.0  # importing vLLM in a child takes 5-20 s; longer means it hangs
-ENGINE_MODULES = {"nccl": f"{_WT}.nccl_engine", "ipc": f"{_WT}.ipc_engine"}
 
-# capability name -> (module, dotted attribute). probe() reports each as a bool.
+# capability name -> (module, dotted attribute): what every engine's trainer code shares.
+# Each of vLLM's own engines adds its names (``EngineApi``). probe() reports each as a bool.
 _WHERE: dict[str, tuple[str, str]] = {
     "WeightTransferTrainerFactory": (f"{_WT}.factory", "WeightTransferTrainerFactory"),
     "WeightSource": (f"{_WT}.base", "WeightSource"),
     "ModuleSource": (f"{_WT}.base", "ModuleSource"),
     "ParamMeta": (f"{_WT}.base", "ParamMeta"),
     "HTTPVLLMWeightSyncClient": (f"{_WT}.clients", "HTTPVLLMWeightSyncClient"),
-    "NCCLTrainerInitInfo": (f"{_WT}.nccl_engine", "NCCLTrainerInitInfo"),
-    "NCCLWeightTransferUpdateInfo": (f"{_WT}.nccl_engine", "NCCLWeightTransferUpdateInfo"),
-    "NCCLTrainerSendWeightsArgs": (f"{_WT}.nccl_engine", "NCCLTrainerSendWeightsArgs"),
-    "NCCLWeightTransferEngine.trainer_send_weights":
-        (f"{_WT}.nccl_engine", "NCCLWeightTransferEngine.trainer_send_weights"),
-    "NCCLWeightTransferEngine.trainer_init":
-        (f"{_WT}.nccl_engine", "NCCLWeightTransferEngine.trainer_init"),
-    "nccl_common.trainer_init": (f"{_WT}.nccl_common", "trainer_init"),
-    "IPCTrainerInitInfo": (f"{_WT}.ipc_engine", "IPCTrainerInitInfo"),
-    "IPCWeightTransferUpdateInfo": (f"{_WT}.ipc_engine", "IPCWeightTransferUpdateInfo"),
-    "IPCTrainerSendWeightsArgs": (f"{_WT}.ipc_engine", "IPCTrainerSendWeightsArgs"),
-    "IPCWeightTransferEngine.trainer_send_weights":
-        (f"{_WT}.ipc_engine", "IPCWeightTransferEngine.trainer_send_weights"),
     # 0.34: the reload lifecycle the workers' engines call (VLLM_RELOAD_MODE)
     "reload.start_reload": ("vllm.model_executor.model_loader.reload", "start_reload"),
 }
 
-# The static senders: present only where they take (iterator, trainer_args). 0.27.1 keeps
-# IPC's as a (*args, **kwargs) stub that raises, which must not count as the API.
-_STATIC_SENDERS = ("NCCLWeightTransferEngine.trainer_send_weights",
-                   "IPCWeightTransferEngine.trainer_send_weights")
+
+@dataclasses.dataclass(frozen=True)
+class EngineApi:
+    """How one of vLLM's own weight-transfer engines is named in vLLM, as ``probe``
+    reads it: its module, its trainer init-info and update-info classes, other names
+    worth a capability (``extra``: capability -> (module, dotted attribute)), and its
+    0.26-style static trainer API: the capabilities that must all be present for the
+    ``static`` path (``static``), the one of them that sends (present only where it
+    takes (iterator, trainer_args): 0.27.1 keeps IPC's as a stub that raises), and how
+    vLLM's trainer code calls it (``static_words``; None: that code has no static path,
+    and ``no_factory_words`` says why it needs the factory)."""
+
+    module: str
+    init_info: str
+    update_info: str
+    extra: tuple[tuple[str, str, str], ...] = ()
+    static: tuple[str, ...] = ()
+    static_sender: str | None = None
+    static_words: str | None = None
+    no_factory_words: str | None = None
+
+    def where(self) -> dict[str, tuple[str, str]]:
+        return {self.init_info: (self.module, self.init_info),
+                self.update_info: (self.module, self.update_info),
+                **{name: (module, attr) for name, module, attr in self.extra}}
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "EngineApi":
+        return cls(**{**d, "extra": tuple(tuple(e) for e in d["extra"]),
+                      "static": tuple(d["static"])})
+
+
+Engines = dict  # engine name -> EngineApi: the engines vLLM itself implements
+
+
+def _where(engines: Engines) -> dict[str, tuple[str, str]]:
+    out = dict(_WHERE)
+    for api in engines.values():
+        out.update(api.where())
+    return out
 
 
 def vllm_version() -> str | None:
@@ -85,9 +111,10 @@ def vllm_version() -> str | None:
         return None
 
 
-def lookup(name: str) -> Any:
-    """The vLLM object behind capability ``name`` (see ``_WHERE``); raises if absent."""
-    module, attr = _WHERE[name]
+def lookup(name: str, engines: Engines | None = None) -> Any:
+    """The vLLM object behind capability ``name`` (``_WHERE``, or a name of one of
+    ``engines``); raises if absent."""
+    module, attr = _where(engines or {})[name]
     obj: Any = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -107,37 +134,47 @@ def _field_names(cls: Any) -> list[str] | None:
     return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else None
 
 
-def probe(isolated: bool = False) -> dict[str, Any]:
-    """Which trainer-side APIs the installed vLLM has.
+def probe(engines: Engines, isolated: bool = False) -> dict[str, Any]:
+    """Which trainer-side APIs the installed vLLM has, for ``engines`` (engine name ->
+    ``EngineApi``: the engines vLLM implements, as the backends name them).
 
-    Keys: one bool per name in ``_WHERE``; ``trainer_factory_backends`` (engines
-    registered with the trainer factory); ``factory_takes_backend`` (the 0.26
-    ``trainer_init(backend, config, init_info)`` form); ``*_update_info_fields``;
-    ``nccl_path`` / ``ipc_path`` (what the senders will use); ``errors`` (module ->
-    import error); ``vllm_version``. ``isolated=True`` runs the probe in a child
-    process, so the caller imports nothing of vLLM or torch.
+    Keys: one bool per name in ``_WHERE`` and in each engine's names;
+    ``trainer_factory_backends`` (engines registered with the trainer factory);
+    ``factory_takes_backend`` (the 0.26 ``trainer_init(backend, config, init_info)``
+    form); per engine ``<engine>_update_info_fields``,
+    ``<engine>_update_info_elides_metadata``, ``<engine>_update_info_names_sender`` and
+    ``<engine>_path`` (what its sender will use); ``engine_modules`` (engine -> its
+    vLLM module); ``errors`` (module -> import error); ``vllm_version``.
+    ``isolated=True`` runs the probe in a child process, so the caller imports nothing
+    of vLLM or torch.
     """
     if isolated:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        code = "import json, harness.vllm.api as v; print('PROBE ' + json.dumps(v.probe()))"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+        code = ("import json, sys, harness.vllm.api as v; engines = {k: v.EngineApi.from_json(d) "
+                "for k, d in json.loads(sys.argv[1]).items()}; "
+                "print('PROBE ' + json.dumps(v.probe(engines)))")
+        arg = json.dumps({k: api.as_json() for k, api in engines.items()})
+        proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"vLLM probe child failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-3000:]}")
         return json.loads(lines[-1][len("PROBE "):])
-    return json.loads(json.dumps(_probe_here()))  # a fresh copy: callers may mutate it
+    # a fresh copy: callers may mutate it
+    return json.loads(json.dumps(_probe_here(tuple(sorted(engines.items())))))
 
 
 @functools.cache
-def _probe_here() -> dict[str, Any]:
+def _probe_here(engine_items: tuple[tuple[str, EngineApi], ...]) -> dict[str, Any]:
+    engines = dict(engine_items)
+    senders = {api.static_sender for api in engines.values() if api.static_sender}
     caps: dict[str, Any] = {"vllm_version": None, "errors": {}}
-    for name, (module, _) in _WHERE.items():
+    for name, (module, _) in _where(engines).items():
         try:
-            obj = lookup(name)
+            obj = lookup(name, engines)
         except ImportError as e:  # the module itself is missing or its imports fail
             caps["errors"].setdefault(module, f"{type(e).__name__}: {e}")
             obj = None
@@ -146,8 +183,7 @@ def _probe_here() -> dict[str, Any]:
         except Exception as e:    # a module that raises on import for any other reason
             caps["errors"].setdefault(module, f"{type(e).__name__}: {e}")
             obj = None
-        caps[name] = obj is not None and (name not in _STATIC_SENDERS
-                                          or _takes_iterator_and_args(obj))
+        caps[name] = obj is not None and (name not in senders or _takes_iterator_and_args(obj))
 
     caps["trainer_factory_backends"] = []
     caps["factory_takes_backend"] = False
@@ -156,48 +192,40 @@ def _probe_here() -> dict[str, Any]:
         caps["trainer_factory_backends"] = sorted(getattr(factory, "_registry", {}) or {})
         params = list(inspect.signature(factory.trainer_init).parameters)
         caps["factory_takes_backend"] = bool(params) and params[0] == "backend"
-    for engine, cls in (("nccl", "NCCLWeightTransferUpdateInfo"),
-                        ("ipc", "IPCWeightTransferUpdateInfo")):
-        caps[f"{engine}_update_info_fields"] = _field_names(lookup(cls)) if caps[cls] else None
-    caps["nccl_update_info_elides_metadata"] = (
-        update_info_elides_metadata(lookup("NCCLWeightTransferUpdateInfo"))
-        if caps["NCCLWeightTransferUpdateInfo"] else None)
-    caps["nccl_update_info_names_sender"] = (
-        update_info_names_sender(lookup("NCCLWeightTransferUpdateInfo"))
-        if caps["NCCLWeightTransferUpdateInfo"] else None)
+    caps["engine_modules"] = {engine: api.module for engine, api in engines.items()}
+    for engine, api in engines.items():
+        info = lookup(api.update_info, engines) if caps[api.update_info] else None
+        caps[f"{engine}_update_info_fields"] = _field_names(info) if info else None
+        caps[f"{engine}_update_info_elides_metadata"] = (
+            update_info_elides_metadata(info) if info else None)
+        caps[f"{engine}_update_info_names_sender"] = (
+            update_info_names_sender(info) if info else None)
+        caps[f"{engine}_path"] = _path(caps, engine, api)
     caps["weight_source_style"] = (source_style(lookup("WeightSource"))
                                    if caps["WeightSource"] else None)
-    caps["nccl_path"] = _path(caps, "nccl", "NCCLTrainerInitInfo",
-                              static=("nccl_common.trainer_init",
-                                      "NCCLWeightTransferEngine.trainer_send_weights"))
-    caps["ipc_path"] = _path(caps, "ipc", "IPCTrainerInitInfo",
-                             static=("IPCWeightTransferEngine.trainer_send_weights",))
     caps["vllm_version"] = vllm_version()  # after the imports: the version actually imported
     return caps
 
 
-def _path(caps: dict[str, Any], engine: str, init_info: str, static: tuple[str, ...]) -> str:
+def _path(caps: dict[str, Any], engine: str, api: EngineApi) -> str:
     """``factory`` (0.27.1+ stateful trainer engine), ``static`` (0.26-style static
     sender, we drive the routes), ``raw`` (neither: the harness's own sender) or
     ``unimportable`` (vLLM's engine module fails to import; see ``errors``)."""
-    if ENGINE_MODULES[engine] in caps["errors"]:
+    if api.module in caps["errors"]:
         return "unimportable"
-    if (caps[init_info] and engine in caps["trainer_factory_backends"]
+    if (caps[api.init_info] and engine in caps["trainer_factory_backends"]
             and not caps["factory_takes_backend"]):
         return "factory"
-    if all(caps[s] for s in static):
+    if api.static and all(caps[s] for s in api.static):
         return "static"
     return "raw"
 
 
 # --------------------------------------------------------------------------- trainer code
 
-# What vLLM's own trainer code calls per engine, on the factory path: its init info.
-TRAINER_INIT_INFO = {"ipc": "IPCTrainerInitInfo", "nccl": "NCCLTrainerInitInfo"}
 
-
-def trainer_code_path(engine: str, caps: dict[str, Any] | None = None
-                      ) -> tuple[str | None, str]:
+def trainer_code_path(engine: str, api: EngineApi | None, caps: dict[str, Any],
+                      init_info: str) -> tuple[str | None, str]:
     """How the trainer code vLLM's examples teach pushes ``engine``'s weights on this
     release: ``(path, what)``, or ``(None, why not)``. Paths:
 
@@ -210,11 +238,12 @@ def trainer_code_path(engine: str, caps: dict[str, Any] | None = None
       {"send_mode": "http", "url": url, "packed": ...})`` between the client's
       ``start_weight_update`` and ``finish_weight_update``.
 
-    Registration is read live (shm registers itself in the trainer process), the rest
-    from ``probe()``.
+    ``api``: the engine's names where vLLM implements it (None: an engine a plugin
+    registers); ``init_info``: the name of its trainer init-info class. Registration
+    is read live (a plugin's engine registers itself in the trainer process), the rest
+    from ``caps`` (``probe()``).
     """
-    caps = caps or probe()
-    module = ENGINE_MODULES.get(engine)
+    module = api.module if api is not None else None
     if module in caps.get("errors", {}):
         return None, (f"vLLM's {engine.upper()} engine module cannot be imported: "
                       f"{caps['errors'][module]}")
@@ -227,28 +256,22 @@ def trainer_code_path(engine: str, caps: dict[str, Any] | None = None
                             or {})
     by_backend = caps.get("factory_takes_backend")
     if engine in registered:
-        if engine in TRAINER_INIT_INFO and not caps.get(TRAINER_INIT_INFO[engine]):
+        if api is not None and not caps.get(api.init_info):
             return None, (f"'{engine}' is registered with the trainer factory, but vLLM "
-                          f"{caps.get('vllm_version')} has no {TRAINER_INIT_INFO[engine]}")
+                          f"{caps.get('vllm_version')} has no {api.init_info}")
         if not by_backend:
             return "factory", (f"WeightTransferTrainerFactory.trainer_init("
-                               f"{TRAINER_INIT_INFO.get(engine, 'ShmTrainerInitInfo')}(rank=0, "
+                               f"{init_info}(rank=0, "
                                "...), client=HTTPVLLMWeightSyncClient, source=ModuleSource) + "
                                "send_weights()")
         return "factory-by-backend", (f"WeightTransferTrainerFactory.trainer_init('{engine}', "
-                                      "WeightTransferConfig, ShmTrainerInitInfo(rank=0, ...), "
+                                      f"WeightTransferConfig, {init_info}(rank=0, ...), "
                                       "client=HTTPVLLMWeightSyncClient, source=ModuleSource) + "
                                       "send_weights()")
-    if engine == "ipc" and caps.get("IPCWeightTransferEngine.trainer_send_weights"):
-        return "static", ("IPCWeightTransferEngine.trainer_send_weights(iter(ModuleSource), "
-                          "{'send_mode': 'http'}) between HTTPVLLMWeightSyncClient's "
-                          "start_weight_update and finish_weight_update")
-    if engine == "nccl":
-        return None, (f"vLLM {caps.get('vllm_version')} has no NCCL trainer engine in its "
-                      "trainer factory (its NCCL trainer API is the static nccl_common."
-                      "trainer_init + trainer_send_weights, with the routes and their threads "
-                      "written by the trainer); the vllm trainer path runs NCCL only through "
-                      "the factory, the harness path covers the static one")
+    if api is not None and api.static_words and caps.get(api.static_sender):
+        return "static", api.static_words
+    if api is not None and api.no_factory_words:
+        return None, f"vLLM {caps.get('vllm_version')} {api.no_factory_words}"
     if not caps.get("WeightTransferTrainerFactory"):
         return None, f"vLLM {caps.get('vllm_version')} has no WeightTransferTrainerFactory"
     return None, (f"'{engine}' is not registered with vLLM {caps.get('vllm_version')}'s "
@@ -278,28 +301,26 @@ print("IMPORT " + json.dumps(out))
 """
 
 
-def sender_path(engine: str, error: type[Exception]) -> tuple[dict[str, Any], str]:
-    """(probe(), the path the ``engine`` sender will take); ``error`` names the exact
-    import failure when vLLM's engine module for it cannot be imported."""
-    caps = probe()
+def sender_path(engine: str, engines: Engines, error: type[Exception]
+                ) -> tuple[dict[str, Any], str]:
+    """(probe(engines), the path the ``engine`` sender will take); ``error`` names the
+    exact import failure when vLLM's engine module for it cannot be imported."""
+    caps = probe(engines)
     path = caps[f"{engine}_path"]
     if path == "unimportable":
         raise error(f"vLLM's {engine.upper()} engine module cannot be imported: "
-                    f"{caps['errors'].get(ENGINE_MODULES[engine])}")
+                    f"{caps['errors'].get(engines[engine].module)}")
     return caps, path
 
 
-def backend_importable(engine: str, timeout: float = 120.0) -> tuple[bool, str]:
-    """Can vLLM's engine module for ``engine`` ("nccl" / "ipc") be imported?
+def backend_importable(module: str, timeout: float = 120.0) -> tuple[bool, str]:
+    """Can vLLM's engine module ``module`` be imported?
 
     Tried in a child process so the caller imports no CUDA library. On failure the
     reason is the exception plus where in vLLM it was raised, e.g.
     ``ModuleNotFoundError: No module named 'ray' (vLLM 0.26.0's ipc_engine.py
     raises it at module level: line 11, `import ray`)``.
     """
-    if engine not in ENGINE_MODULES:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINE_MODULES)}")
-    module = ENGINE_MODULES[engine]
     code = _IMPORT_CHILD.replace("MODULE", repr(module))
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

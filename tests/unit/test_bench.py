@@ -143,7 +143,7 @@ def test_the_limit_is_taken_at_the_nearest_size_of_its_path():
 
 
 def test_a_raw_limit_is_the_best_repetition():
-    from harness.commands.bench import rawlimit
+    from harness.transfer import rawlimit
 
     r = rawlimit.summarize(10**9, [0.5, 0.25, 1.0])
     assert r["gbps"] == pytest.approx(4.0) and r["median_gbps"] == pytest.approx(2.0)
@@ -151,7 +151,7 @@ def test_a_raw_limit_is_the_best_repetition():
 
 @pytest.mark.slow_unit  # a child interpreter that imports torch
 def test_host_copy_limit_is_measured_in_a_child(tmp_path):
-    from harness.commands.bench import rawlimit
+    from harness.transfer import rawlimit
 
     r = rawlimit.measure("host", [1 << 20, 4 << 20], reps=2, timeout=120)
     assert [s["bytes"] for s in r["sizes"]] == [1 << 20, 4 << 20]
@@ -161,7 +161,7 @@ def test_host_copy_limit_is_measured_in_a_child(tmp_path):
 
 @pytest.mark.slow_unit  # a child interpreter that imports torch
 def test_a_failed_limit_says_why_on_its_first_line():
-    from harness.commands.bench import rawlimit
+    from harness.transfer import rawlimit
 
     with pytest.raises(rawlimit.RawLimitError) as e:
         rawlimit.measure("d2d", [1000], reps=1, device=99, timeout=120)

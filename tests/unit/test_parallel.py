@@ -18,6 +18,7 @@ import pytest
 from harness.run import parallel
 from harness.run import partition
 from harness.run import plan as P
+from harness.run import scheduling
 from harness.vllm.server import ServerConfig
 
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
@@ -40,7 +41,7 @@ def _scheduler(tmp_path, monkeypatch, ids, bins, n=2):
     monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
     (tmp_path / "partition.json").write_text(json.dumps(dict(zip(ids, bins))))
     config = SimpleNamespace(getoption=lambda name, default=None: ["popen"] * n)
-    sched = parallel.Scheduling(config)
+    sched = scheduling.Scheduling(config)
     nodes = [FakeNode(f"gw{k}") for k in range(n)]
     for node in nodes:
         sched.add_node(node)
@@ -96,7 +97,7 @@ def test_a_dead_worker_names_the_test_it_died_in_and_its_tests_go_elsewhere(tmp_
 
 def test_a_collection_that_differs_between_workers_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(parallel.DIR_ENV, str(tmp_path))
-    sched = parallel.Scheduling(SimpleNamespace(getoption=lambda n, d=None: ["popen"] * 2))
+    sched = scheduling.Scheduling(SimpleNamespace(getoption=lambda n, d=None: ["popen"] * 2))
     a, b = FakeNode("gw0"), FakeNode("gw1")
     sched.add_node(a), sched.add_node(b)
     sched.add_node_collection(a, ["t1", "t2"])
@@ -110,9 +111,9 @@ def _cfg(model, load="dummy"):
 
 def test_the_partition_keeps_a_server_with_its_twin_and_cuts_the_longest():
     big, twin, small = _cfg("big"), _cfg("big", "auto"), _cfg("small")
-    needs = ([None, None] + [P.Need(f"b{i}", big, twin if i % 20 == 0 else None)
+    needs = ([None, None] + [P.ServerNeed(f"b{i}", big, twin if i % 20 == 0 else None)
                              for i in range(120)]
-             + [P.Need(f"s{i}", small) for i in range(4)])
+             + [P.ServerNeed(f"s{i}", small) for i in range(4)])
     p = parallel.make_partition(needs, HOST, 3)
     bins = p.bin_of(needs)
     assert bins[:2] == [None, None]
@@ -129,7 +130,7 @@ def test_the_partition_keeps_a_server_with_its_twin_and_cuts_the_longest():
 
 def test_groups_join_servers_that_one_test_links():
     a, b, twin_a = _cfg("a"), _cfg("b"), _cfg("a", "auto")
-    gs = partition.groups([P.Need("x", a), P.Need("y", a, twin_a), P.Need("z", b), None],
+    gs = partition.groups([P.ServerNeed("x", a), P.ServerNeed("y", a, twin_a), P.ServerNeed("z", b), None],
                           HOST)
     assert [set(g.servers) for g in gs] == [set(), {a, twin_a}, {b}]
     assert [g.tests for g in gs] == [(3,), (0, 1), (2,)]

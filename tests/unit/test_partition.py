@@ -90,9 +90,9 @@ def test_the_plugin_keeps_the_shard_partition_computes(selection):
     assert sum(map(int, workers)) == sum(needs[i] is not None for i in mine)
 
 
-def _need(name: str, twin: bool = False) -> P.Need:
+def _need(name: str, twin: bool = False) -> P.ServerNeed:
     cfg = ServerConfig(model=f"/zoo/{name}", backend="ipc", dtype="float32", device_ids=(0,))
-    return P.Need(f"t::{name}", cfg, ServerConfig(model=f"/zoo/{name}", backend="ipc",
+    return P.ServerNeed(f"t::{name}", cfg, ServerConfig(model=f"/zoo/{name}", backend="ipc",
                                                  dtype="float32", load_format="auto",
                                                  device_ids=(0,)) if twin else None)
 
@@ -101,7 +101,7 @@ def test_a_twin_joins_its_servers_into_one_group_and_no_server_tests_are_one():
     host = P.Host(gpus=1, cores=16, gpu_memory_gib=139, ram_gib=128)
     a, a_twin = _need("a"), _need("a", twin=True)
     # another server (here: another flag) compared with the same twin joins the group
-    unpacked = P.Need("t::u", dataclasses.replace(a.server, extra_args=("--seed", "1")),
+    unpacked = P.ServerNeed("t::u", dataclasses.replace(a.server, extra_args=("--seed", "1")),
                       a_twin.twin)
     needs = [None, a, a_twin, unpacked, _need("b"), None]
     gs = partition.groups(needs, host)
@@ -144,10 +144,10 @@ def test_tests_without_a_server_are_sharded_and_a_plan_of_them_runs_nothing(pyte
 CLUSTERED = {"test_refused": 0.5, "test_pause_cycles": 50.0, "test_parity": 1.0}
 
 
-def _clustered_needs() -> list[P.Need]:
+def _clustered_needs() -> list[P.ServerNeed]:
     cfg = ServerConfig(model="/zoo/llama", backend="ipc", dtype="float32", device_ids=(0,))
     names = ["test_refused"] * 20 + ["test_pause_cycles"] * 10 + ["test_parity"] * 30
-    return [P.Need(f"tests/t.py::{name}[{i}]", cfg) for i, name in enumerate(names)]
+    return [P.ServerNeed(f"tests/t.py::{name}[{i}]", cfg) for i, name in enumerate(names)]
 
 
 def _replica_seconds(needs, host) -> list[float]:
@@ -197,9 +197,9 @@ def test_the_tests_that_sleep_a_cut_server_are_dealt_to_every_replica(monkeypatc
     monkeypatch.setattr(durations, "table", lambda kind: {"test_parity": 1.0, "test_sleep": 5.0,
                                                           "test_break": 1.0})
     cfg = ServerConfig(model="/zoo/llama", backend="ipc", dtype="float32", device_ids=(0,))
-    needs = ([P.Need(f"tests/t.py::test_parity[{i}]", cfg) for i in range(90)]
-             + [P.Need(f"tests/t.py::test_sleep[{i}]", cfg, sleeps=True) for i in range(6)]
-             + [P.Need(f"tests/t.py::test_break[{i}]", cfg, breaks=True) for i in range(2)])
+    needs = ([P.ServerNeed(f"tests/t.py::test_parity[{i}]", cfg) for i in range(90)]
+             + [P.ServerNeed(f"tests/t.py::test_sleep[{i}]", cfg, sleeps=True) for i in range(6)]
+             + [P.ServerNeed(f"tests/t.py::test_break[{i}]", cfg, breaks=True) for i in range(2)])
     assert sorted(range(len(needs)), key=lambda i: P.order_key(needs[i])) == list(range(98))
     gs = partition.split_long(partition.groups(needs, host), 3, needs, host)
     assert [g.replica for g in gs] == [0, 1, 2]

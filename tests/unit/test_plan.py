@@ -14,7 +14,8 @@ import pytest
 from child_pytest import CPU_HOST, H200_HOST, NO_GPU
 from harness.core import reportfile
 from harness.run import plan as P
-from harness.run.pool import ServerPool, State
+from harness.run.pool import ServerPool
+from harness.run.server_weights import State
 from harness.vllm.server import ServerConfig
 
 HOST = P.Host(gpus=1, cores=16, gpu_memory_gib=141, ram_gib=128)
@@ -74,11 +75,11 @@ def test_each_trainers_tests_together_fresh_first_twins_then_breaking_tests_last
     server's chain starts while its twin still starts), a test that may break the server
     after all."""
     cfg, twin = _cfg(), _cfg(load="auto")
-    needs = [P.Need("t_break", cfg, breaks=True, trainer="ipc-packed"),
-             P.Need("t_plain_u", cfg, trainer="ipc-unpacked"),
-             P.Need("t_twin", cfg, twin, trainer="ipc-packed"),
-             P.Need("t_fresh_u", cfg, fresh=True, trainer="ipc-unpacked"),
-             P.Need("t_fresh", cfg, fresh=True, trainer="ipc-packed")]
+    needs = [P.ServerNeed("t_break", cfg, breaks=True, trainer="ipc-packed"),
+             P.ServerNeed("t_plain_u", cfg, trainer="ipc-unpacked"),
+             P.ServerNeed("t_twin", cfg, twin, trainer="ipc-packed"),
+             P.ServerNeed("t_fresh_u", cfg, fresh=True, trainer="ipc-unpacked"),
+             P.ServerNeed("t_fresh", cfg, fresh=True, trainer="ipc-packed")]
     ordered = sorted(needs, key=P.order_key)
     assert [n.test for n in ordered] == ["t_fresh", "t_fresh_u", "t_plain_u", "t_twin",
                                          "t_break"]
@@ -96,12 +97,12 @@ def test_tests_that_sleep_their_server_come_after_its_other_tests_before_breakin
     server's sleeping tests run after its other tests (twins' included), and a test
     that may break the server still last."""
     cfg, twin = _cfg(), _cfg(load="auto")
-    needs = [P.Need("t_break", cfg, breaks=True, trainer="ipc-packed"),
-             P.Need("t_sleep_u", cfg, sleeps=True, trainer="ipc-unpacked"),
-             P.Need("t_sleep", cfg, sleeps=True, trainer="ipc-packed"),
-             P.Need("t_twin_u", cfg, twin, trainer="ipc-unpacked"),
-             P.Need("t_plain_u", cfg, trainer="ipc-unpacked"),
-             P.Need("t_fresh", cfg, fresh=True, trainer="ipc-packed")]
+    needs = [P.ServerNeed("t_break", cfg, breaks=True, trainer="ipc-packed"),
+             P.ServerNeed("t_sleep_u", cfg, sleeps=True, trainer="ipc-unpacked"),
+             P.ServerNeed("t_sleep", cfg, sleeps=True, trainer="ipc-packed"),
+             P.ServerNeed("t_twin_u", cfg, twin, trainer="ipc-unpacked"),
+             P.ServerNeed("t_plain_u", cfg, trainer="ipc-unpacked"),
+             P.ServerNeed("t_fresh", cfg, fresh=True, trainer="ipc-packed")]
     ordered = sorted(needs, key=P.order_key)
     assert [n.test for n in ordered] == ["t_fresh", "t_plain_u", "t_twin_u", "t_sleep",
                                          "t_sleep_u", "t_break"]
@@ -143,8 +144,8 @@ def test_a_fresh_test_after_a_sync_is_a_planned_reset_not_a_restart():
     """Run after another variant synced, a seed flow needs never-synced weights: the
     plan counts a reset of the weights (SyncSession.reset_weights), never a restart."""
     shared = _cfg()
-    needs = [P.Need("a_fresh", shared, fresh=True), P.Need("a_plain", shared),
-             P.Need("b_fresh", shared, fresh=True)]
+    needs = [P.ServerNeed("a_fresh", shared, fresh=True), P.ServerNeed("a_plain", shared),
+             P.ServerNeed("b_fresh", shared, fresh=True)]
     plan = P.make_plan(needs, HOST)
     assert plan.starts() == 1 and len(plan.resets) == 1
     assert "b_fresh needs never-synced weights after a_plain synced them" in plan.resets[0][1]
@@ -152,14 +153,14 @@ def test_a_fresh_test_after_a_sync_is_a_planned_reset_not_a_restart():
 
 def test_a_second_breaking_test_is_a_contingent_restart():
     cfg = _cfg()
-    plan = P.make_plan([P.Need("x", cfg, breaks=True), P.Need("y", cfg, breaks=True)], HOST)
+    plan = P.make_plan([P.ServerNeed("x", cfg, breaks=True), P.ServerNeed("y", cfg, breaks=True)], HOST)
     assert len(plan.contingent) == 1
     assert "x may break it; y runs on it later" in plan.contingent[0][1]
 
 
 def test_the_expected_waves_follow_the_bounds():
     cfgs = [_cfg(model=f"m{i}") for i in range(5)]
-    needs = [P.Need(f"t{i}", c) for i, c in enumerate(cfgs)]
+    needs = [P.ServerNeed(f"t{i}", c) for i, c in enumerate(cfgs)]
     plan = P.make_plan(needs, HOST, max_starting=2, max_alive=3)
     sched = P.simulate(plan, lambda n: 10.0 * n, lambda need: 1.0)
     assert [len(w) for w in sched.waves][:1] == [2]
@@ -251,7 +252,7 @@ def test_every_restart_is_recorded_with_its_reason(fake_pool):
     pool = fake_pool(max_alive=2)
     pool.plan([cfg])
     pool.get(cfg, user="t1")
-    pool.set_holding(cfg, State.SYNCED, "/w")
+    pool.record_weights(cfg, State.SYNCED, "/w")
     pool.get(cfg, new_engine=True, user="t2")   # a test that needs a brand-new engine
     pool.discard(cfg, "after t3: a weight sync did not complete")
     pool.get(cfg, user="t4")

@@ -18,7 +18,8 @@ import harness
 from harness import known_issues as ki
 from harness.pytest import report
 import harness.vllm
-from harness.vllm import capabilities
+from harness import transfer
+from harness.transfer import capabilities
 
 INNER_TESTS = """
 import pytest
@@ -278,7 +279,7 @@ def test_routes_captured_from_the_pool(pytester, monkeypatch, openapi_server):
     before the pool's teardown stops it."""
     pytester.makeconftest(f"""
 import pytest
-from harness.pytest.plugin import STATE
+from harness.pytest.run_state import STATE
 
 class Cfg:
     def describe(self):
@@ -331,35 +332,25 @@ def fake_pool(request):
 
 
 def test_probes_use_vllm_api(monkeypatch):
-    fake = types.ModuleType("harness.vllm.api")
-    fake.probe = lambda isolated=False: {"isolated": isolated, "nccl_path": "factory"}
-    fake.backend_importable = lambda engine: (engine == "nccl", f"{engine} says hi")
-    monkeypatch.setitem(sys.modules, "harness.vllm.api", fake)
-    monkeypatch.setattr(harness.vllm, "api", fake, raising=False)
+    fake = types.SimpleNamespace(
+        probe=lambda engines, isolated=False: {"isolated": isolated, "engines": sorted(engines)},
+        backend_importable=lambda module: ("nccl" in module, f"{module} says hi"))
+    monkeypatch.setattr(capabilities, "vllm_api", fake)
     api, backends = capabilities.backend_capabilities(True)
-    assert api == {"isolated": True, "nccl_path": "factory"}
-    assert backends["nccl"] == {"loadable": True, "reason": "nccl says hi"}
-    assert backends["ipc"] == {"loadable": False, "reason": "ipc says hi"}
-
-
-def test_probes_tolerate_missing_vllm_api(monkeypatch):
-    monkeypatch.setitem(sys.modules, "harness.vllm.api", None)
-    monkeypatch.delattr(harness.vllm, "api", raising=False)
-    api, backends = capabilities.backend_capabilities(True)
-    assert api["error"].startswith("harness.vllm.api unavailable")
-    assert backends["nccl"]["loadable"] is None and "unavailable" in backends["nccl"]["reason"]
+    assert api == {"isolated": True, "engines": ["ipc", "nccl"]}
+    nccl_module = transfer.backend("nccl").vllm_api.module
+    assert backends["nccl"] == {"loadable": True, "reason": f"{nccl_module} says hi"}
+    assert backends["ipc"]["loadable"] is False
+    assert backends["shm"]["loadable"] is True  # its vllm.general_plugins entry point
 
 
 def test_probe_failure_is_recorded(monkeypatch):
-    fake = types.ModuleType("harness.vllm.api")
-
-    def probe(isolated=False):
+    def probe(engines, isolated=False):
         raise RuntimeError("vLLM probe child failed (exit 1)")
 
-    fake.probe = probe
-    fake.backend_importable = lambda engine: (_ for _ in ()).throw(OSError("no python"))
-    monkeypatch.setitem(sys.modules, "harness.vllm.api", fake)
-    monkeypatch.setattr(harness.vllm, "api", fake, raising=False)
+    fake = types.SimpleNamespace(
+        probe=probe, backend_importable=lambda module: (_ for _ in ()).throw(OSError("no python")))
+    monkeypatch.setattr(capabilities, "vllm_api", fake)
     api, backends = capabilities.backend_capabilities(True)
     assert api == {"error": "RuntimeError: vLLM probe child failed (exit 1)"}
     assert backends["ipc"] == {"loadable": None, "reason": "OSError: no python"}

@@ -26,6 +26,7 @@ import pytest
 from harness import models
 from harness.commands import cli
 from harness.commands import repro
+from harness.commands.repro import assembly as repro_assembly
 from harness.commands.repro import emit as repro_emit
 from harness.commands.repro import script
 from harness.portable import corrupt
@@ -213,7 +214,7 @@ def test_a_script_emitted_after_a_run_states_what_was_observed(tmp_path, monkeyp
 
 def test_the_template_imports_and_holds_no_scenario(capsys):
     assert script.SCENARIO is None
-    assert repro_emit.read_scenario(repro_emit.TEMPLATE.read_text()) is None
+    assert repro_emit.read_scenario(repro_assembly.TEMPLATE.read_text()) is None
     assert script.main([]) == 2
     assert "this is the template and holds no scenario" in capsys.readouterr().err
 
@@ -251,7 +252,7 @@ def test_an_emitted_script_imports_nothing_of_the_harness(name, tmp_path):
 def test_the_template_takes_its_code_from_the_portable_core_only():
     """The template's harness imports are the portable modules, which import nothing
     else of the harness (tests/unit/test_layers.py holds every floor to that)."""
-    harness_imports = {m for m in _imports(ast.parse(repro_emit.TEMPLATE.read_text()))
+    harness_imports = {m for m in _imports(ast.parse(repro_assembly.TEMPLATE.read_text()))
                        if m.split(".")[0] == "harness"}
     assert harness_imports and all(m.startswith("harness.portable.") for m in harness_imports)
     for f in sorted(repro_emit.PORTABLE.glob("*.py")):
@@ -293,7 +294,7 @@ def test_emitted_nccl_and_ipc_scripts_hold_only_their_scenarios_code(name, tmp_p
     assert "register_shm_engine" not in text and "[region" not in text
     lines = len(text.splitlines())
     assert lines <= LINES_NOW, f"{name}: {lines} lines"
-    template = len(repro_emit.TEMPLATE.read_text().splitlines()) + sum(
+    template = len(repro_assembly.TEMPLATE.read_text().splitlines()) + sum(
         len(f.read_text().splitlines()) for f in repro_emit.PORTABLE.glob("*.py"))
     assert lines < template - 200  # what the other engines need is not there
 
@@ -374,7 +375,7 @@ def _pyflakes(path: Path) -> list[str]:
 
 
 def test_the_template_and_the_portable_core_pass_pyflakes():
-    for f in [repro_emit.TEMPLATE, *sorted(repro_emit.PORTABLE.glob("*.py"))]:
+    for f in [repro_assembly.TEMPLATE, *sorted(repro_emit.PORTABLE.glob("*.py"))]:
         assert _pyflakes(f) == [], f.name
 
 
@@ -395,7 +396,7 @@ def test_script_and_engine_are_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["harness"]
     pkg = ROOT / "harness"
-    for f in (repro_emit.TEMPLATE, repro_emit.SHM_ENGINE, *repro_emit.PORTABLE.glob("*.py")):
+    for f in (repro_assembly.TEMPLATE, repro_emit.SHM_ENGINE, *repro_emit.PORTABLE.glob("*.py")):
         rel = f.relative_to(pkg)
         assert any(rel.match(p) for p in patterns), f"{rel} not in package-data {patterns}"
 
@@ -688,7 +689,7 @@ def test_calls_in_flight_end_together_or_are_left_behind(monkeypatch, emitted):
     monkeypatch.setattr(script, "GRACE_S", 0.2)
 
     def in_flight(timeout, *calls):  # the script's sender's steps, with this deadline
-        return script.NcclSender(None, packed=False, api="static", device="cpu", world_size=2,
+        return script.NcclSender(None, engine="nccl", packed=False, api="static", device="cpu", world_size=2,
                                  timeout=timeout).steps(*calls)
 
     assert in_flight(5, ("a", lambda: 1), ("b", lambda: 2)) == [1, 2]
@@ -826,7 +827,7 @@ def _harness_nccl_sender(monkeypatch, client, packed: bool, api: str):
     from harness.transfer import nccl
 
     caps = {"nccl_update_info_fields": [f.name for f in dataclasses.fields(_NcclUpdateInfo026)]}
-    monkeypatch.setattr(nccl.vllm_api, "sender_path", lambda engine, error: (caps, api))
+    monkeypatch.setattr(nccl.vllm_api, "sender_path", lambda engine, engines, error: (caps, api))
     monkeypatch.setattr(nccl, "cuda_device", lambda options, error, why: torch.device("cpu"))
     return nccl.Sender(client, packed=packed, options={"step_timeout_s": 30})
 
@@ -844,7 +845,7 @@ def _nccl_sync_both(monkeypatch, script, api: str, packed: bool, weights) -> tup
             sender.send(weights)
             sender.close()
         else:
-            script.send_nccl(client, _weights(), {"trainer_device": "cpu", "packed": packed,
+            script.send_nccl(client, _weights(), {"engine": "nccl", "trainer_device": "cpu", "packed": packed,
                                                   "trainer_api": api}, 30)
         got.append((client.calls, {k: seen[k] for k in ("broadcast", "args", "init")}))
         seen.update(broadcast=[], args=[], init=[])
@@ -905,7 +906,7 @@ def test_nccl_static_api_as_in_vllm_0_26(monkeypatch, emitted):
     seen = _fake_nccl_vllm(monkeypatch, "static")
     seen["client"] = client = _NcclServer()
     script.check_trainer_api("nccl", "static")
-    api = script.send_nccl(client, _weights(), {"trainer_device": "cpu", "packed": True,
+    api = script.send_nccl(client, _weights(), {"engine": "nccl", "trainer_device": "cpu", "packed": True,
                                                 "trainer_api": "static"}, 30)
     assert "nccl_common.trainer_init + NCCLWeightTransferEngine.trainer_send_weights" in api
     assert seen["init"] == [{"master_address": "127.0.0.1", "world_size": 2}]
@@ -925,7 +926,7 @@ def test_ipc_static_api_as_in_vllm_0_26(monkeypatch, emitted):
     seen = _fake_ipc_vllm(monkeypatch, "static")
     client = _IpcReadingClient()
     script.check_trainer_api("ipc", "static")
-    script.send_ipc(client, _weights(), {"packed": True, "trainer_api": "static"}, 30)
+    script.send_ipc(client, _weights(), {"engine": "ipc", "packed": True, "trainer_api": "static"}, 30)
     assert seen["args"] == [{"packed": True}]
     assert [c for c, _ in client.calls] == ["init", "start"] + ["update"] * 4 + ["finish"]
     assert client.calls[0][1] == {}
@@ -939,7 +940,7 @@ def test_nccl_factory_api_as_in_vllm_0_32(monkeypatch, emitted):
     seen["client"] = client = _NcclServer()
     script.check_trainer_api("nccl", "factory")
     weights, _ = script.corrupt_weights(_weights(), "drop")
-    script.send_nccl(client, weights, {"trainer_device": "cpu", "packed": False,
+    script.send_nccl(client, weights, {"engine": "nccl", "trainer_device": "cpu", "packed": False,
                                        "trainer_api": "factory"}, 30)
     assert client.calls[2][1]["names"] == [n for n, _ in weights] != \
         [n for n, _ in _weights()]
@@ -1063,7 +1064,7 @@ def _harness_ipc_sender(monkeypatch, client, packed: bool, api: str):
 
     from harness.transfer import ipc
 
-    monkeypatch.setattr(ipc.vllm_api, "sender_path", lambda engine, error: ({}, api))
+    monkeypatch.setattr(ipc.vllm_api, "sender_path", lambda engine, engines, error: ({}, api))
     monkeypatch.setattr(ipc, "cuda_device", lambda options, error, why: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     return ipc.Sender(client, packed=packed, options={})
@@ -1086,7 +1087,7 @@ def test_the_harness_and_an_emitted_script_send_the_same_ipc_updates(api, packed
     sender.close()
     harness_args = seen["args"]
     seen["args"] = []
-    script.send_ipc(theirs, _mixed_weights(), {"packed": packed, "trainer_api": api}, 60)
+    script.send_ipc(theirs, _mixed_weights(), {"engine": "ipc", "packed": packed, "trainer_api": api}, 60)
     assert ours.calls == theirs.calls and harness_args == seen["args"]
     assert [c for c, _ in ours.calls] == ["init", "start"] + ["update"] * (2 if packed else 1) \
         + ["finish"]
@@ -1113,7 +1114,7 @@ def test_an_ipc_sender_that_differs_from_the_script_is_caught(monkeypatch, emitt
     sender = _harness_ipc_sender(monkeypatch, ours, False, "static")
     sender.init()
     sender.send(_mixed_weights())
-    script.send_ipc(theirs, _mixed_weights(), {"packed": False, "trainer_api": "static"}, 60)
+    script.send_ipc(theirs, _mixed_weights(), {"engine": "ipc", "packed": False, "trainer_api": "static"}, 60)
     assert ours.calls != theirs.calls
     assert ours.calls[2][1]["names"] == theirs.calls[2][1]["names"][:-1]
 

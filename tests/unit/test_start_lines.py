@@ -48,7 +48,7 @@ class Trainer:
     def close(self):
         pass
 
-    def retire(self):
+    def close_in_background(self):
         pass
 
 

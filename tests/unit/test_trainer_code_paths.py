@@ -1,4 +1,4 @@
-"""vllm_api.trainer_code_path: which of vLLM's trainer APIs the vllm trainer code takes
+"""trainer_code_path: which of vLLM's trainer APIs the vllm trainer code takes
 per engine and release, from capabilities as the probe reports them (0.26, 0.27.1 and
 0.32 as read in their sources). No vLLM."""
 
@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness import transfer
+from harness.transfer import registry as backends
 from harness.vllm import api as vllm_api
 
 
@@ -35,18 +37,18 @@ def registry(monkeypatch):
 def test_032_every_engine_through_the_factory(registry):
     registry.update(ipc=1, nccl=1, shm=1)
     for engine in ("ipc", "nccl", "shm"):
-        path, what = vllm_api.trainer_code_path(engine, _caps())
+        path, what = backends.trainer_code_path(engine, _caps())
         assert path == "factory", (engine, what)
-    assert "IPCTrainerInitInfo(rank=0" in vllm_api.trainer_code_path("ipc", _caps())[1]
-    assert "ShmTrainerInitInfo(rank=0" in vllm_api.trainer_code_path("shm", _caps())[1]
+    assert "IPCTrainerInitInfo(rank=0" in backends.trainer_code_path("ipc", _caps())[1]
+    assert "ShmTrainerInitInfo(rank=0" in backends.trainer_code_path("shm", _caps())[1]
 
 
 def test_0271_ipc_through_the_factory_nccl_not_offered(registry):
     registry.update(ipc=1, shm=1)
     caps = _caps(NCCLTrainerInitInfo=False)
-    assert vllm_api.trainer_code_path("ipc", caps)[0] == "factory"
-    assert vllm_api.trainer_code_path("shm", caps)[0] == "factory"
-    path, why = vllm_api.trainer_code_path("nccl", caps)
+    assert backends.trainer_code_path("ipc", caps)[0] == "factory"
+    assert backends.trainer_code_path("shm", caps)[0] == "factory"
+    path, why = backends.trainer_code_path("nccl", caps)
     assert path is None and "static nccl_common.trainer_init" in why
 
 
@@ -55,30 +57,30 @@ def test_026_static_ipc_and_shm_through_the_backend_first_factory(registry):
     caps = _caps(factory_takes_backend=True, IPCTrainerInitInfo=False,
                  NCCLTrainerInitInfo=False,
                  **{"IPCWeightTransferEngine.trainer_send_weights": True})
-    path, what = vllm_api.trainer_code_path("ipc", caps)
+    path, what = backends.trainer_code_path("ipc", caps)
     assert path == "static" and "'send_mode': 'http'" in what
-    path, what = vllm_api.trainer_code_path("shm", caps)
+    path, what = backends.trainer_code_path("shm", caps)
     assert path == "factory-by-backend" and "WeightTransferConfig" in what
-    assert vllm_api.trainer_code_path("nccl", caps)[0] is None
+    assert backends.trainer_code_path("nccl", caps)[0] is None
 
 
 def test_an_unregistered_shm_says_what_is_registered(registry):
     registry.update(ipc=1, nccl=1)
-    path, why = vllm_api.trainer_code_path("shm", _caps())
+    path, why = backends.trainer_code_path("shm", _caps())
     assert path is None and "not registered" in why and "ipc, nccl" in why
 
 
 def test_missing_client_or_source_or_module(registry):
     registry.update(ipc=1)
-    assert "HTTPVLLMWeightSyncClient" in vllm_api.trainer_code_path(
+    assert "HTTPVLLMWeightSyncClient" in backends.trainer_code_path(
         "ipc", _caps(HTTPVLLMWeightSyncClient=False))[1]
-    assert "ModuleSource" in vllm_api.trainer_code_path("ipc", _caps(ModuleSource=False))[1]
-    errors = {vllm_api.ENGINE_MODULES["ipc"]: "ModuleNotFoundError: No module named 'ray'"}
-    path, why = vllm_api.trainer_code_path("ipc", _caps(errors=errors))
+    assert "ModuleSource" in backends.trainer_code_path("ipc", _caps(ModuleSource=False))[1]
+    errors = {transfer.backend("ipc").vllm_api.module: "ModuleNotFoundError: No module named 'ray'"}
+    path, why = backends.trainer_code_path("ipc", _caps(errors=errors))
     assert path is None and "No module named 'ray'" in why
 
 
 def test_registered_without_its_init_info(registry):
     registry.update(ipc=1)
-    path, why = vllm_api.trainer_code_path("ipc", _caps(IPCTrainerInitInfo=False))
+    path, why = backends.trainer_code_path("ipc", _caps(IPCTrainerInitInfo=False))
     assert path is None and "no IPCTrainerInitInfo" in why

@@ -25,7 +25,7 @@ def test_retired_trainers_are_reaped_once_when_threads_poll_together(monkeypatch
         reaped.append(results)
 
     monkeypatch.setattr(spares, "reap", slow_reap)
-    r = spares.Retiring(grace=30)
+    r = spares.ExitingTrainers(grace=30)
     for fd in range(20):
         r.add(_Exited(), fd, None)
     threads = [threading.Thread(target=r.poll) for _ in range(4)]

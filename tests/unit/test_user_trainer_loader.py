@@ -149,16 +149,16 @@ def test_labels_and_pins():
 
 
 def test_the_trainer_process_refuses_what_only_the_harness_sender_does():
-    from harness.trainer.child import _UserCode
+    from harness.trainer.module_codes import UserCode
     from harness.transfer.vllm_code import Unavailable
 
-    code = _UserCode(TrainerSpec(url="http://127.0.0.1:1", engine="shm", packed=False,
+    code = UserCode(TrainerSpec(url="http://127.0.0.1:1", engine="shm", packed=False,
                                  code="senders:Good"), {})
     for cmd in ({"op": "sync", "weights_dir": "x", "corrupt": "drop"},
                 {"op": "sync", "weights_dir": "x", "lie": "names"}, {"op": "describe"}):
         with pytest.raises(Unavailable):
             code.command(cmd)
-    code = _UserCode(TrainerSpec(url="http://127.0.0.1:1", engine="shm", packed=False,
+    code = UserCode(TrainerSpec(url="http://127.0.0.1:1", engine="shm", packed=False,
                                  code="senders:Good"), {"hold_after_start_s": 5})
     with pytest.raises(Unavailable, match="takes no harness option .hold_after_start_s"):
         code.command({"op": "sync", "weights_dir": "x"})

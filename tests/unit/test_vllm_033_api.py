@@ -239,7 +239,9 @@ def test_the_nccl_sender_repeats_metadata_through_its_engine(monkeypatch):
 @pytest.mark.slow_unit  # imports the installed vLLM
 def test_the_installed_release_is_probed_for_both(monkeypatch):
     pytest.importorskip("vllm")
-    caps = vllm_api.probe()
+    from harness.transfer import registry
+
+    caps = registry.probe()
     assert caps["weight_source_style"] in ("iter", "iter_full")
     assert caps["nccl_update_info_elides_metadata"] in (True, False, None)
     from vllm.distributed.weight_transfer.base import WeightSource as Installed

@@ -17,7 +17,7 @@ each between ``/pause`` and ``/resume``. Measured per sync:
   the trainer's (``torch.cuda.max_memory_allocated`` in its process).
 
 In the same run, the raw limit of each data path at the same byte counts
-(``harness.commands.bench.rawlimit``): a host memory copy (shm), a device-to-device copy on the
+(``harness.transfer.rawlimit``): a host memory copy (shm), a device-to-device copy on the
 server's GPU (IPC), an NCCL broadcast between the trainer's and the server's GPUs
 (NCCL). Each sync's GB/s is divided by its path's limit.
 
@@ -95,7 +95,11 @@ def make_plan(backends: list[str], sizes_text: str | None, dtype: str, layout: s
     """Everything the run will do, checked before anything starts; BadInput otherwise."""
     from harness.core import facts
     from harness.run.cases import make_case
-    from harness.transfer import VARIANTS
+    from harness.run.layouts import LAYOUTS
+    from harness.transfer import VARIANTS, registry
+
+    def layout_gpus(name: str) -> int:
+        return LAYOUTS[name].gpus_needed
 
     try:
         dtype = facts.canonical_dtype(dtype)
@@ -104,9 +108,11 @@ def make_plan(backends: list[str], sizes_text: str | None, dtype: str, layout: s
     if warm < 1:
         raise BadInput(f"--warm: at least one warm sync is needed, got {warm}")
     if not backends:
-        backends = [v.id for v in VARIANTS.values() if v.needs_gpu] if gpus_visible else ["shm"]
-        if gpus_visible == 1:
-            backends = [b for b in backends if VARIANTS[b].engine != "nccl"]
+        if gpus_visible:  # every GPU variant whose default layout this host holds
+            backends = [v.id for v in VARIANTS.values() if v.needs_gpu and layout_gpus(
+                registry.backend(v.engine).default_layout) <= gpus_visible]
+        else:
+            backends = [registry.backend(registry.DEFAULT_ENGINE).variants[0].id]
     backends = list(dict.fromkeys(backends))
     unknown = [b for b in backends if b not in VARIANTS]
     if unknown:
@@ -164,8 +170,7 @@ def _uses():
             why="the dtype RL trainers sync in, and half the bytes; the tests default to "
                 "float32, whose parity tolerance is tight"),
         Use("vllm_layout", default=None,
-            shown="each backend's own: cpu for shm, 1gpu-colocated for ipc, 2gpu-split for "
-                  "nccl"),
+            shown="each backend's own (the first of its layouts: harness/transfer/<engine>.py)"),
         Use("vllm_max_servers", shown="all of the run, at most 8, on GPUs; 3 on the CPU"),
         Use("vllm_start_timeout"),
         Use("vllm_sync_timeout",

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness import transfer
 from harness.commands.bench.benchfile import GB, limit_at, summarize_case, sync_record, write_json
 from harness.commands.bench.view import _f
 from harness.core.measure import ServerMemory, process_tree
@@ -90,12 +91,12 @@ class BenchRun:
         return dirs
 
     def measure_limits(self) -> None:
-        from harness.commands.bench.rawlimit import PATH_OF_ENGINE, RawLimitError, measure
+        from harness.transfer.rawlimit import RawLimitError, measure
 
         sizes = [m["bytes"] for m in self.doc["models"]]
         wanted: dict[tuple, dict] = {}
         for c in self.plan.cases:
-            path = PATH_OF_ENGINE[c.backend.engine]
+            path = transfer.backend(c.backend.engine).raw_limit
             lay = c.layout
             if path == "host":
                 kw: dict = {}
@@ -151,7 +152,6 @@ class BenchRun:
         return failed
 
     def _wave(self, pool, wave: list, work: list, dirs: dict) -> bool:
-        from harness.commands.bench.rawlimit import PATH_OF_ENGINE
         from harness.trainer.handle import TrainerError, TrainerSpec
         from harness.vllm.client import ServerClient
         from harness.vllm.server import ServerError
@@ -177,7 +177,7 @@ class BenchRun:
         records, trainers = [], {}
         for case, gb, cfg in work:
             rec = {**case.as_dict(), "model": dirs[gb].name, "size_gb": gb,
-                   "limit_path": PATH_OF_ENGINE[case.backend.engine], "error": None,
+                   "limit_path": transfer.backend(case.backend.engine).raw_limit, "error": None,
                    "cold": None, "warm": []}
             records.append(rec)
             self.doc["cases"].append(rec)

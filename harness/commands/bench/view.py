@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.commands.bench.benchfile import GB, MIB, PHASES, rate
+from harness import transfer
 from harness.core import text
+from harness.transfer import registry
 
 WIDTH = 120
 
@@ -107,11 +109,22 @@ def render_table(doc: dict) -> str:
 
 # ----------------------------------------------------------------------------- plot
 
-_COLORS = {"nccl-packed": "#1f77b4", "nccl-unpacked": "#6baed6", "ipc-packed": "#2ca02c",
-           "ipc-unpacked": "#98df8a", "shm": "#d62728"}
-_LIMIT_STYLE = {"nccl": ("#1f77b4", "--"), "d2d": ("#2ca02c", "--"), "host": ("#d62728", "--")}
-_LIMIT_NAME = {"nccl": "NCCL broadcast", "d2d": "device-to-device copy",
-               "host": "host memory copy"}
+# One colour per variant, in the registry's order; a raw limit takes its backend's first.
+_PALETTE = ("#1f77b4", "#6baed6", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd",
+            "#c5b0d5", "#8c564b", "#c49c94")
+
+
+def _color(variant_id: str) -> str:
+    ids = list(transfer.VARIANTS)
+    return _PALETTE[ids.index(variant_id) % len(_PALETTE)] if variant_id in ids else "gray"
+
+
+def _limit_style(path_name: str) -> tuple[str, str]:
+    """(colour, words) of a raw-limit path, from the backend that measures it."""
+    for b in registry.backends().values():
+        if b.raw_limit == path_name:
+            return _color(b.variants[0].id), b.raw_limit_words or path_name
+    return "gray", path_name
 
 
 def plot_series(doc: dict) -> dict:
@@ -163,7 +176,7 @@ def write_plot(doc: dict, path: Path) -> Path:
     series = plot_series(doc)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
     for k, (name, b) in enumerate(series["backends"].items()):
-        color = _COLORS.get(name)
+        color = _color(name)
         ax.errorbar(b["x"], b["y"], yerr=[b["lo"], b["hi"]], marker="o", capsize=3,
                     color=color, label=name)
         if b["ratio"]:
@@ -174,9 +187,9 @@ def write_plot(doc: dict, path: Path) -> Path:
                              textcoords="offset points", xytext=(5, 4 - 10 * (k % 2)),
                              color=color)  # alternate sides: neighbouring lines stay legible
     for path_name, lim in series["limits"].items():
-        color, style = _LIMIT_STYLE.get(path_name, ("gray", "--"))
+        (color, words), style = _limit_style(path_name), "--"
         ax.plot(lim["x"], lim["y"], linestyle=style, color=color, alpha=0.6, marker="x",
-                label=f"limit: {_LIMIT_NAME.get(path_name, path_name)}")
+                label=f"limit: {words}")
     ratios = [r for b in series["backends"].values() for _, r in b["ratio"]]
     wide = bool(ratios) and max(ratios) > 20 * min(ratios)  # else a linear axis from 0 reads better
     if ratios and not wide:

@@ -9,13 +9,14 @@ from collections import Counter
 from typing import Any
 
 from harness.core import text
+from harness.core.report_schema import SCHEMA_VERSION
 
 REGRESSION, WARN, INFO = "REGRESSION", "warn", "info"
 LEVELS = (REGRESSION, WARN, INFO)
 FAILING = ("failed", "error")
 PASSING = ("passed", "xpassed")
 NOT_RUN = ("skipped", "deselected", "interrupted")  # no result: the case did not run
-KNOWN_SCHEMA = 3  # the newest report schema this module was written against (2 reads the same)
+KNOWN_SCHEMA = SCHEMA_VERSION  # a report dict without "schema" reads as the newest
 SUMMARY_MAX = 20  # regressions listed again at the end of the text output
 
 class BadInput(Exception):

@@ -6,7 +6,6 @@ command; ``harness.commands.diff.render`` writes the comparison as text.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 from harness.commands.diff.common import (FAILING, INFO, KNOWN_SCHEMA, LEVELS, PASSING, REGRESSION,
                                           WARN, BadInput, _beyond, _count, _fmt, _num, _ran, _rel,
                                           describe_host, host, unlike)
-from harness.core import reportfile, text
+from harness.core import report_schema, text
+from harness.core.report_schema import Report, ReportedTest
 from harness.core.facts import UnknownDtype, canonical_dtype
 from harness.oracles import parity
 from harness.pause.openapi import LEGACY_FLAGS as PAUSE_LEGACY_FLAGS
@@ -49,53 +49,25 @@ def tolerance(dtype: str | None) -> float | None:
 
 # ----------------------------------------------------------------------------- loading
 
-def load(path: Path) -> dict:
-    """Read one report; ``BadInput`` names the file and what is wrong with it."""
-    def bad(why: str) -> BadInput:
-        return BadInput(f"cannot read {path}: {why}")
-
+def load(path: Path) -> Report:
+    """Read one report (``harness.core.report_schema.load``); ``BadInput`` names the file
+    and what is wrong with it."""
     try:
-        text = reportfile.read_text(path)
-    except FileNotFoundError:
-        raise bad("no such file") from None
-    except IsADirectoryError:
-        raise bad("is a directory") from None
-    except PermissionError:
-        raise bad("permission denied") from None
-    except UnicodeDecodeError:
-        raise bad("not JSON (not UTF-8 text)") from None
-    except ValueError as e:  # gzip that does not decompress
-        raise bad(str(e)) from None
-    except OSError as e:
-        raise bad(e.strerror or type(e).__name__) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise bad(f"not JSON (line {e.lineno} column {e.colno})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("header"), dict) \
-            or not isinstance(data.get("tests"), list):
-        raise bad("not a harness report (no 'header' or 'tests'; write one with "
-                  "pytest --harness-report PATH)")
-    schema = data.get("schema", KNOWN_SCHEMA)
-    if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
-        raise bad(f"not a harness report (schema {schema!r})")
-    for i, t in enumerate(data["tests"]):
-        if not isinstance(t, dict) or not isinstance(t.get("nodeid"), str) \
-                or not isinstance(t.get("outcome"), str):
-            raise bad(f"test record {i} has no 'nodeid' or 'outcome'")
-    return data
+        return report_schema.load(path)
+    except report_schema.ReportError as e:
+        raise BadInput(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- what ran
 
-def _pair(t: dict) -> tuple[str, str] | None:
+def _pair(t: ReportedTest) -> tuple[str, str] | None:
     case = t.get("case") or {}
     if case.get("backend") and case.get("layout"):
         return str(case["backend"]), str(case["layout"])
     return None
 
 
-def ran_pairs(report: dict) -> Counter:
+def ran_pairs(report: Report) -> Counter:
     """(backend, layout) -> tests of it that ran, from the per-test records."""
     return Counter(p for t in report.get("tests") or []
                    if _ran(t["outcome"]) and (p := _pair(t)) is not None)
@@ -114,7 +86,7 @@ def _pair_name(p: tuple[str, str]) -> str:
 
 # ----------------------------------------------------------------------------- sections
 
-def _versions(a: dict, b: dict, ran_a: Counter, ran_b: Counter) -> list[dict]:
+def _versions(a: Report, b: Report, ran_a: Counter, ran_b: Counter) -> list[dict]:
     ha, hb = a.get("header") or {}, b.get("header") or {}
     rows = []
 
@@ -147,7 +119,8 @@ def _versions(a: dict, b: dict, ran_a: Counter, ran_b: Counter) -> list[dict]:
     return rows
 
 
-def _tests(ta: dict, tb: dict, allow_missing: bool) -> list[dict]:
+def _tests(ta: dict[str, ReportedTest], tb: dict[str, ReportedTest],
+           allow_missing: bool) -> list[dict]:
     rows = []
     for nodeid in sorted(set(ta) | set(tb)):
         x, y = ta.get(nodeid), tb.get(nodeid)
@@ -224,7 +197,8 @@ def _coverage(ran_a: Counter, ran_b: Counter, allow_missing: bool) -> list[dict]
     return rows
 
 
-def _known_issues(a: dict, b: dict, kept_a: set, kept_b: set, host_specific: bool) -> list[dict]:
+def _known_issues(a: Report, b: Report, kept_a: set, kept_b: set,
+                  host_specific: bool) -> list[dict]:
     def entries(r):
         ki = r.get("known_issues") or {}
         return {e["id"]: e for e in ki.get("entries") or [] if isinstance(e, dict) and "id" in e}
@@ -246,7 +220,7 @@ def _known_issues(a: dict, b: dict, kept_a: set, kept_b: set, host_specific: boo
     return rows
 
 
-def _known_bounds(ta: dict, tb: dict) -> list[dict]:
+def _known_bounds(ta: dict[str, ReportedTest], tb: dict[str, ReportedTest]) -> list[dict]:
     """For each test of a bounded known issue (the known-issues file in use), each bound
     against what A and B recorded: the worst value, and how far B's is from the bound. A
     B beyond it is a regression (the test then fails "beyond known issue", a row of its
@@ -282,7 +256,7 @@ def _pause_styles(p: dict) -> list[str]:
            [f"{f}=true" for f in PAUSE_LEGACY_FLAGS if f in params]
 
 
-def _capabilities(a: dict, b: dict) -> list[dict]:
+def _capabilities(a: Report, b: Report) -> list[dict]:
     ca, cb = a.get("capabilities") or {}, b.get("capabilities") or {}
     rows: list[dict] = []
     ra, rb = ca.get("routes"), cb.get("routes")
@@ -345,7 +319,8 @@ def _capabilities(a: dict, b: dict) -> list[dict]:
     return rows
 
 
-def _metrics(ta: dict, tb: dict, threshold_rel: float) -> list[dict]:
+def _metrics(ta: dict[str, ReportedTest], tb: dict[str, ReportedTest],
+             threshold_rel: float) -> list[dict]:
     rows = []
     for nodeid, t in tb.items():
         x = ta.get(nodeid)
@@ -388,14 +363,14 @@ def _metrics(ta: dict, tb: dict, threshold_rel: float) -> list[dict]:
     return rows
 
 
-def _side(r: dict) -> dict:
+def _side(r: Report) -> dict:
     h = r.get("header") or {}
     counts = Counter(t["outcome"] for t in r.get("tests") or [])
     return {"vllm": h.get("vllm"), "start_time": h.get("start_time"), "host": host(r),
             "schema": r.get("schema"), "summary": {"total": sum(counts.values()), **counts}}
 
 
-def compare(a: dict, b: dict, *, threshold_rel: float = 0.5, allow_missing: bool = False,
+def compare(a: Report, b: Report, *, threshold_rel: float = 0.5, allow_missing: bool = False,
             allow_unlike_hosts: bool = False) -> dict:
     """Compare report B with baseline A. Raises ``BadInput`` for unlike hosts unless
     ``allow_unlike_hosts``; then only the backend/layout pairs both ran are compared."""

@@ -35,6 +35,12 @@ EXIT_USAGE = 2
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode, 0.26 to 0.32
 
 
+def _default_engine() -> str:
+    from harness.transfer.registry import DEFAULT_ENGINE
+
+    return DEFAULT_ENGINE
+
+
 def _shorthands() -> dict[str, str]:
     from harness.transfer import SHORTHANDS
 
@@ -66,13 +72,13 @@ def _uses():
     from harness.run.cases import REPRO_MODEL
 
     return (
-        Use("vllm_backend", default="shm", shorthands=_shorthands(),
+        Use("vllm_backend", default=_default_engine(), shorthands=_shorthands(),
             why="nccl and ipc mean the packed variants"),
         Use("vllm_model", default=REPRO_MODEL,
             why="a tiny model the emitted script rebuilds with vLLM's dependencies alone"),
         Use("vllm_dtype"),
         Use("vllm_layout", default=None,
-            shown="the backend's own: cpu for shm, 2gpu-split for nccl, 1gpu-colocated for ipc"),
+            shown="the backend's own (the first of its layouts: harness/transfer/<engine>.py)"),
         Use("vllm_url", why="a server given here must be fresh: dummy weights, never synced, "
                             "and match the backend, model and dtype"),
         Use("vllm_log_dir", default=".harness-cache/logs/repro"),
@@ -176,10 +182,11 @@ class Scenario:
     def _trainer_api(self, args: argparse.Namespace) -> str | None:
         """The trainer API the emitted script holds: --trainer-api, else the installed
         vLLM's (asked only when a script is to be written); None for shm."""
+        from harness import transfer
         from harness.commands.repro import emit as repro_emit
 
         engine = self.variant.engine
-        if engine not in ("nccl", "ipc"):
+        if transfer.backend(engine).vllm_api is None:
             if args.trainer_api is not None:
                 raise UsageError(f"--trainer-api is for nccl and ipc; {self.variant.id} "
                                  "takes no vLLM trainer API")
@@ -341,7 +348,7 @@ def server_config(sc: Scenario, model_path: str):
 
 def scenario_data(sc: Scenario, args: argparse.Namespace, expectation, emit_path: Path) -> dict:
     """What the emitted script runs: this scenario as plain data."""
-    from harness import models
+    from harness import models, transfer
     from harness.commands.repro import emit as repro_emit
     from harness.core import facts
     from harness.oracles import parity
@@ -351,7 +358,8 @@ def scenario_data(sc: Scenario, args: argparse.Namespace, expectation, emit_path
     cfg = server_config(sc, "MODEL")
     argv = build_command(cfg, 0)
     flags = argv[argv.index("--host") + 4:]  # after --host H --port P
-    if sc.variant.engine == "shm":
+    script = transfer.backend(sc.variant.engine).script
+    if script is not None and script.engine_file:
         flags = repro_emit.shm_flags(flags)
     env = build_env(cfg)
     # only what the harness sets for a server, not this shell's environment
@@ -388,7 +396,7 @@ def scenario_data(sc: Scenario, args: argparse.Namespace, expectation, emit_path
         timeouts={"start": args.vllm_start_timeout, "sync": args.vllm_sync_timeout},
         versions=versions,
         shm_engine_file=(repro_emit.engine_file_name(emit_path)
-                         if sc.variant.engine == "shm" else None),
+                         if script is not None and script.engine_file else None),
         trainer_api=sc.trainer_api)
 
 

@@ -30,8 +30,6 @@ from typing import Any
 
 from harness.core.facts import free_port
 
-# backend engine -> the data path its limit is measured on
-PATH_OF_ENGINE = {"shm": "host", "ipc": "d2d", "nccl": "nccl"}
 DESCRIPTION = {
     "host": "host memory copy (torch, {threads} threads)",
     "d2d": "device-to-device copy on GPU {device}",
@@ -61,7 +59,7 @@ def measure(path: str, sizes: list[int], *, reps: int = 5, device: int | None = 
     """Measure ``path`` at every size (bytes) in a child process; returns
     ``{"path", "what", "sizes": [summarize(...)], "env": {...}}``. Raises
     ``RawLimitError`` with the child's output on a failure or a timeout."""
-    argv = [sys.executable, "-m", "harness.commands.bench.rawlimit", path, "--reps", str(reps),
+    argv = [sys.executable, "-m", "harness.transfer.rawlimit", path, "--reps", str(reps),
             "--bytes", ",".join(str(int(n)) for n in sizes)]
     if path == "d2d":
         argv += ["--device", str(device if device is not None else 0)]
@@ -171,7 +169,7 @@ def _nccl(sizes: list[int], reps: int, src: int, dst: list[int], timeout: float)
     gpus = [src] + dst
     procs = []
     for rank, gpu in enumerate(gpus):
-        argv = [sys.executable, "-m", "harness.commands.bench.rawlimit", "nccl-rank", "--rank", str(rank),
+        argv = [sys.executable, "-m", "harness.transfer.rawlimit", "nccl-rank", "--rank", str(rank),
                 "--world", str(len(gpus)), "--port", str(port), "--device", str(gpu),
                 "--reps", str(reps), "--bytes", ",".join(map(str, sizes))]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
