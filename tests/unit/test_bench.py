@@ -149,6 +149,7 @@ def test_a_raw_limit_is_the_best_repetition():
     assert r["gbps"] == pytest.approx(4.0) and r["median_gbps"] == pytest.approx(2.0)
 
 
+@pytest.mark.slow_unit  # a child interpreter that imports torch
 def test_host_copy_limit_is_measured_in_a_child(tmp_path):
     from harness.transfer import rawlimit
 
@@ -158,6 +159,7 @@ def test_host_copy_limit_is_measured_in_a_child(tmp_path):
     assert "host memory copy" in r["what"]
 
 
+@pytest.mark.slow_unit  # a child interpreter that imports torch
 def test_a_failed_limit_says_why_on_its_first_line():
     from harness.transfer import rawlimit
 

@@ -48,6 +48,7 @@ def routes():
     srv.server_close()
 
 
+@pytest.mark.slow_unit  # a trainer process: torch, the weights, the sender
 def test_prepare_calls_no_route_and_the_cold_sync_opens_the_group(routes, tmp_path,
                                                                    monkeypatch):
     url, calls = routes

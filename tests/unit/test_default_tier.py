@@ -59,3 +59,18 @@ def test_quick_depth_on_a_gpu_keeps_every_test_function_of_full_depth(child_pyte
     missing = sorted(functions(full) - functions(quick))
     assert not missing, f"{len(missing)} function(s) only at full depth on a GPU: {missing[:10]}"
     assert len(functions(quick)) >= 120, len(functions(quick))
+
+
+def test_ci_selects_every_test_the_unit_command_leaves_out():
+    """The README's unit-test command leaves out the ``slow_unit`` tests (they run whole
+    processes; tests/unit/conftest.py): CI's ``pytest`` runs them, with the whole suite,
+    because it selects by no mark, keyword or path, and the configuration adds none."""
+    calls = [ln.split("-m pytest", 1)[1].split() for ln in
+             (ROOT / ".ci" / "run").read_text().splitlines()
+             if "-m pytest" in ln and not ln.lstrip().startswith("#")]
+    assert len(calls) == 1, calls
+    addopts = next((ln for ln in (ROOT / "pytest.ini").read_text().splitlines()
+                    if ln.startswith("addopts")), "").split("=", 1)[-1].split()
+    narrowing = [w for w in calls[0] + addopts
+                 if w.startswith(("-m", "-k", "--ignore", "--deselect", "tests"))]
+    assert not narrowing, f".ci/run's pytest leaves tests out: {narrowing}"

@@ -44,6 +44,7 @@ def package_of(module: str) -> str:
     return module.split(".")[1]
 
 
+@pytest.mark.slow_unit  # one interpreter per module; two of them import vLLM
 @pytest.mark.parametrize("module", MODULES)
 def test_module_imports_on_its_own(module):
     if module in ("harness.transfer.shm_engine", "harness.transfer.shm_trainer_engine"):

@@ -240,6 +240,7 @@ def test_the_controllers_guard_stops_once_then_waits_for_its_workers(monkeypatch
         early(signal.SIGINT, None)
 
 
+@pytest.mark.slow_unit  # a pytest -n 2 in a child: three interpreters
 def test_an_interrupted_parallel_run_reports_every_worker(pytester):
     """End to end, a real ``-n 2`` run interrupted as ci/gpu-run.sh's time limit does it
     (``timeout --signal=INT``: SIGINT to pytest, then to its process group) while a test
@@ -308,6 +309,7 @@ def test_held():
     assert sorted(rep["plan"]["workers"]) == ["gw0", "gw1"]
 
 
+@pytest.mark.slow_unit  # pytest runs in children, one of them -n 2
 def test_each_test_says_when_it_began_and_on_which_worker(pytester):
     """The report's timeline: a real ``-n 2`` run of two modules, two tests each; every
     test names its worker (and its torch threads, the cores shared out; the host's CPU

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow_unit  # a child pytest per parameter
 @pytest.mark.parametrize("extra", [[], ["-p", "no:cacheprovider"]], ids=["plain", "no-cache"])
 def test_the_project_configuration_warns_of_nothing(extra):
     env = {k: v for k, v in os.environ.items()

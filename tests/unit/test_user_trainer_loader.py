@@ -200,6 +200,7 @@ def _example_sync(stand_in, tmp_path) -> list:
     return stand_in.calls
 
 
+@pytest.mark.slow_unit  # two trainer processes and a Hugging Face model
 def test_the_example_sends_every_parameter_and_broken_leaves_one_out(stand_in, tmp_path,
                                                                      monkeypatch):
     """Against a stand-in for the routes: init with the context's bucket directory, then

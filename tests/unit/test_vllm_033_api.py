@@ -236,6 +236,7 @@ def test_the_nccl_sender_repeats_metadata_through_its_engine(monkeypatch):
     sender.repeat_metadata()  # a static group: no engine
 
 
+@pytest.mark.slow_unit  # imports the installed vLLM
 def test_the_installed_release_is_probed_for_both(monkeypatch):
     pytest.importorskip("vllm")
     from harness.transfer import registry
