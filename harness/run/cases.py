@@ -201,6 +201,10 @@ class Case:
         starting it (its tests skip with this reason); None when it can."""
         if self.layout.unsupported:
             return f"layout {self.layout.name}: {self.layout.unsupported}"
+        backend = transfer.backend(self.backend.engine)
+        if self.trainer == "vllm" and backend.vllm_api is None and not backend.trainer_init_info:
+            return (f"vLLM's trainer code: backend {backend.engine} names no trainer engine for "
+                    "vLLM's trainer factory (its Backend.trainer_init_info)")
         if not self.layout.server_gpus:
             for f in self.features:
                 if FEATURES[f].cpu_unsupported:

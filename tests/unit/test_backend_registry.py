@@ -153,3 +153,27 @@ def test_an_unknown_engine_names_the_registered_ones():
     with pytest.raises(ValueError, match="unknown weight-transfer engine 'pigeon'; registered: "
                                          "shm, nccl, ipc"):
         registry.backend("pigeon")
+
+
+def test_vllms_trainer_code_skips_a_plugin_without_a_trainer_engine(monkeypatch, fresh_registry):
+    """A plug-in's ``-via-vllm`` cases are known unrunnable before a trainer starts."""
+    import dataclasses
+
+    from harness.run import cases
+
+    _registry_with(monkeypatch, _backend("carrier-pigeon"))
+    case = dataclasses.replace(cases.make_case("carrier-pigeon", None, "float32", "llama"),
+                               trainer="vllm")
+    assert "names no trainer engine for vLLM's trainer factory" in case.unsupported()
+    assert dataclasses.replace(case, trainer="harness").unsupported() is None
+
+
+def test_vllms_trainer_code_runs_over_shm_and_vllms_engines():
+    import dataclasses
+
+    from harness.run import cases
+
+    for variant in ("shm", "ipc-packed", "nccl-packed"):  # shm: its ShmTrainerInitInfo
+        case = cases.make_case(variant, None, "float32", "llama")
+        assert "trainer factory" not in (dataclasses.replace(case, trainer="vllm")
+                                         .unsupported() or "")
