@@ -55,7 +55,7 @@ def probe(session, method: str, route: str, **kw: Any) -> faults.Answer:
 def unknown_weights(session) -> None:
     """From here until ``repair`` the server's weights are in doubt: a test that stops
     early leaves a server the harness restarts rather than hands on."""
-    session.pool.set_holding(session.server_cfg, State.INCOMPLETE, None)
+    session.pool.record_weights(session.server_cfg, State.INCOMPLETE, None)
 
 
 def assert_alive(session, after: str) -> None:
@@ -265,7 +265,7 @@ def test_start_twice_is_refused_and_an_empty_update_keeps_the_weights(session):
     r = session.compare(ref)
     session.record(empty_update=r.metrics())
     parity.assert_logprobs_close(r, decode=session.decode)
-    session.pool.set_holding(session.server_cfg, State.SYNCED, session.model_path)
+    session.pool.record_weights(session.server_cfg, State.SYNCED, session.model_path)
     assert_client_error(second, "start twice")
 
 
@@ -619,7 +619,7 @@ def test_the_memory_check_fails_on_a_server_that_keeps_every_update(session):
     engine's deliberate leak, on the model's device: host memory on a CPU layout, GPU
     memory on a GPU one): it must fail. The server is stopped afterwards."""
     session.pool.drop_trainers(session.server_cfg)  # the leaking trainer inits anew
-    session.pool.set_holding(session.server_cfg, State.CORRUPTED, None)
+    session.pool.record_weights(session.server_cfg, State.CORRUPTED, None)
     try:
         got = _memory_rounds(session, WARMUP + 10, options={"retain_updates": True})
     finally:

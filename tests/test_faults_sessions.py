@@ -655,7 +655,11 @@ def test_insecure_serialization_unpickles_request_data_without_the_key(tmp_path)
         pytest.skip(f"vLLM's IPC engine does not import here: {r.stdout.strip()[:300]}")
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     print(r.stdout.strip())
-    assert "INSECURE-SERIALIZATION" in ServerConfig(model="/m", backend="ipc").describe()
+    from harness import transfer
+
+    ipc = ServerConfig(model="/m", backend="ipc",
+                       insecure_serialization=transfer.backend("ipc").insecure_serialization)
+    assert "INSECURE-SERIALIZATION" in ipc.describe()
     assert not marker.exists(), (
         "vLLM's IPC update info unpickled request data without the API key (the payload of an /update_weights "
         f"that needs no API key): {marker} was created. {r.stdout.strip()[:300]}")

@@ -60,9 +60,9 @@ def test_the_shm_plugin_registers_the_engine_in_a_vllm_process(tmp_path):
 
 def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
     """The script's detection and harness.vllm.api's, on the vLLM installed here."""
-    from harness.vllm import api as vllm_api
+    from harness.transfer import registry
 
-    probe = vllm_api.probe(isolated=True)
+    probe = registry.probe(isolated=True)
     code = ("import harness.portable.trainer_api as s\n"
             "for e in ('nccl', 'ipc'):\n"
             "    try: print(e, s.trainer_api(e))\n"
@@ -83,9 +83,9 @@ def test_trainer_api_agrees_with_the_harness_on_the_installed_vllm():
 
 def test_an_emitted_script_holds_the_installed_vllms_trainer_api(tmp_path):
     """Without --trainer-api, a script holds the API the installed release offers."""
-    from harness.vllm import api as vllm_api
+    from harness.transfer import registry
 
-    probe = vllm_api.probe(isolated=True)
+    probe = registry.probe(isolated=True)
     for engine in ("nccl", "ipc"):
         if probe[f"{engine}_path"] not in ("factory", "static"):
             continue

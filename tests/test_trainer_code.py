@@ -303,8 +303,9 @@ class Factory026:
 
 
 real = vllm_api.lookup
-vllm_api.lookup = lambda n: Factory026 if n == "WeightTransferTrainerFactory" else real(n)
-vllm_api.trainer_code_path = lambda engine, caps=None: ("factory-by-backend", "0.26 as read")
+vllm_api.lookup = lambda n, engines=None: (Factory026 if n == "WeightTransferTrainerFactory"
+                                          else real(n, engines))
+vllm_api.trainer_code_path = lambda *a: ("factory-by-backend", "0.26 as read")
 t = vllm_code.SeedTrainer(url, engine="shm", packed=False, device="cpu", timeout=10, options={})
 t.init(source)
 t.send(source)
