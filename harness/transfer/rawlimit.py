@@ -12,7 +12,7 @@ the hardware it came from:
 
 Each size is moved once to warm up, then ``reps`` times; the limit is the best
 repetition (the median is kept beside it). Every measurement runs in a child process
-(``python -m harness.commands.bench.rawlimit``), so the caller imports no CUDA library and a hung NCCL
+(``python -m harness.transfer.rawlimit``), so the caller imports no CUDA library and a hung NCCL
 rendezvous is killed at its bound.
 """
 
@@ -234,7 +234,7 @@ def _nccl_rank(sizes: list[int], reps: int, rank: int, world: int, port: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.commands.bench.rawlimit",
+    p = argparse.ArgumentParser(prog="python -m harness.transfer.rawlimit",
                                 description=__doc__.splitlines()[0])
     p.add_argument("path", choices=("host", "d2d", "nccl", "nccl-rank"))
     p.add_argument("--bytes", required=True, help="sizes in bytes, comma-separated")
